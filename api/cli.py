@@ -1,0 +1,258 @@
+"""``kiln``: the command line. Local builds run the same stage functions as the service's workers.
+Exit codes: 0 success, 1 validation failed, 2 bad input (one line naming the field), 3 environment or internal."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from api.errors import exit_code
+from kiln.errors import KilnError, SpecError
+
+PROFILE_FIELDS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
+
+
+class KilnGroup(click.Group):
+    """Turns domain errors into one line on stderr and the exit code from api/errors.py."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KilnError as exc:
+            click.echo(f"kiln: error: {exc}", err=True)
+            sys.exit(exit_code(exc))
+
+
+@click.group(cls=KilnGroup)
+def main() -> None:
+    """Kiln: checkpoints in, validated, versioned engines out."""
+
+
+def _context():
+    """Settings, store and database for local work (embedded defaults: SQLite + a directory under KILN_HOME)."""
+    from artifacts.factory import open_store
+    from kiln import db
+    from kiln.settings import get_settings
+
+    settings = get_settings()
+    if settings.db_url.startswith("sqlite"):
+        db.upgrade(settings.db_url)
+    store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
+    return settings, store, db.session_factory(settings.db_url)
+
+
+def _parse_gates(values: tuple[str, ...]) -> dict[str, float]:
+    gates = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        try:
+            gates[name.strip()] = float(value)
+        except ValueError:
+            raise SpecError(f"{item!r} is not name=number", field=f"gates.{name.strip() or '?'}",
+                            fix="write --gate max_ppl_increase_pct=5") from None
+        if not sep:
+            raise SpecError(f"{item!r} is not name=number", field="gates", fix="write --gate max_ppl_increase_pct=5")
+    return gates
+
+
+def spec_from_options(checkpoint: str, o: dict) -> dict:
+    """The BuildSpec dict that the options describe (explicit limits override the named profile's)."""
+    from kiln.spec import PROFILES
+
+    explicit = {k: o[k] for k in PROFILE_FIELDS if o.get(k) is not None}
+    profile: str | dict = o["profile"]
+    if explicit:
+        base = PROFILES[o["profile"]].limits() if o["profile"] in PROFILES else {}
+        missing = [k for k in PROFILE_FIELDS if k not in explicit and k not in base]
+        if missing:
+            raise SpecError(f"{missing[0]} is missing", field=f"profile.{missing[0]}",
+                            fix="give all four limits, or a named --profile to start from")
+        profile = {"name": o["profile"] if o["profile"] in PROFILES and not explicit else "custom", **base, **explicit}
+    spec = {"checkpoint": checkpoint, "precision": o["precision"], "kv_cache": o["kv_cache"], "profile": profile,
+            "target": o["target"], "backend": o["backend"], "tp_size": o["tp"], "gates": _parse_gates(o["gate"]),
+            "calibration": {"dataset": o["calib_dataset"], "samples": o["calib_samples"], "seq_len": o["calib_seq_len"]},
+            "evaluation": {"dataset": o["eval_dataset"], "seq_len": o["eval_seq_len"], "max_tokens": o["eval_max_tokens"]}}
+    if o.get("model_name"):
+        spec["model_name"] = o["model_name"]
+    return spec
+
+
+class Progress:
+    """Stage lines for people: one line per finished stage (plain when not a terminal, live when it is)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.started: dict[str, float] = {}
+
+    def __call__(self, kind: str, data: dict) -> None:
+        if self.quiet or kind != "stage":
+            return
+        name = data["name"]
+        if data["state"] == "started":
+            self.started[name] = time.perf_counter()
+            if self.tty:
+                click.echo(f"  {name:<9} … running", err=True, nl=False)
+                click.echo("\r", err=True, nl=False)
+            return
+        status = data["status"]
+        mark = {"ran": "ran   ", "cached": "cached", "skipped": "skip  "}.get(status, status)
+        line = f"  {name:<9} {mark} {data['seconds']:7.2f}s"
+        click.echo(line + (" " * 10 if self.tty else ""), err=True)
+
+
+def _print_summary(out: dict) -> None:
+    v = out["validation"]
+    m = v.get("metrics") or {}
+    verdict = "PASSED" if v.get("passed") else "FAILED"
+    if out["cache_hit"]:
+        click.echo("identical build found: no stage ran (cache hit)")
+    if m:
+        peak = max((p["tokens_per_s"] for p in m.get("throughput", [])), default=0.0)
+        click.echo(f"validation {verdict}: perplexity {m['perplexity']:.3f} vs reference {m['reference_perplexity']:.3f} "
+                   f"({m['ppl_increase_pct']:+.2f}%), top-1 agreement {m['top1_agreement'] * 100:.1f}%, "
+                   f"mean KL {m['mean_kl']:.4f}, peak {peak:,.0f} tokens/s")
+        for g in v.get("gates", []):
+            op = "≤" if g["name"].startswith("max_") else "≥"
+            click.echo(f"  gate {g['name']:<22} {g['value']:>12.4f} {op} {g['threshold']:<10g} {'pass' if g['passed'] else 'FAIL'}")
+    a = out.get("artifact") or {}
+    click.echo(f"engine {out['digest']}  {a.get('repository')}:{a.get('tag')}  [{a.get('status')}]")
+
+
+@main.command()
+@click.argument("checkpoint")
+@click.option("--precision", default="fp8", show_default=True, help="fp8 | nvfp4")
+@click.option("--kv-cache", default="none", show_default=True, help="none | fp8")
+@click.option("--profile", default="latency", show_default=True, help="latency | balanced | throughput")
+@click.option("--max-batch-size", type=int)
+@click.option("--max-input-len", type=int)
+@click.option("--max-seq-len", type=int)
+@click.option("--max-num-tokens", type=int)
+@click.option("--target", default="cpu", show_default=True, help="cpu, sm89|sm90|sm100|sm120, or a GPU name (h100)")
+@click.option("--backend", default="aot-inductor", show_default=True, help="aot-inductor | checkpoint | trtllm-engine")
+@click.option("--tp", default=1, show_default=True, type=int, help="tensor-parallel size")
+@click.option("--model-name", help="repository name of the engine (default: from the checkpoint)")
+@click.option("--calib-dataset", default="kiln:calibration", show_default=True)
+@click.option("--calib-samples", default=32, show_default=True, type=int)
+@click.option("--calib-seq-len", default=128, show_default=True, type=int)
+@click.option("--eval-dataset", default="kiln:heldout", show_default=True)
+@click.option("--eval-seq-len", default=128, show_default=True, type=int)
+@click.option("--eval-max-tokens", default=16384, show_default=True, type=int)
+@click.option("--gate", multiple=True, help="override a validation gate: name=value (repeatable)")
+@click.option("--dry-run", is_flag=True, help="print the plan (keys, cache state, exact commands) and do no work")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
+def build(checkpoint: str, dry_run: bool, as_json: bool, **options) -> None:
+    """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://)."""
+    from builder.pipeline import Builder
+    from kiln.errors import ValidationFailed
+    from kiln.settings import get_settings
+    from kiln.spec import parse_spec
+
+    spec = parse_spec(spec_from_options(checkpoint, options), get_settings().roots)  # before any work
+    settings, store, sessions = _context()
+    builder = Builder(settings, store, sessions, on_event=Progress(quiet=False))
+    if dry_run:
+        plan = builder.plan(spec)
+        click.echo(json.dumps(plan, sort_keys=True) if as_json else json.dumps(plan, indent=2, sort_keys=True))
+        return
+    click.echo(f"building {spec.model_name} {spec.precision} {spec.batch_profile.name} for {spec.target} "
+               f"with {spec.backend}", err=True)
+    out = builder.build(spec).to_dict()
+    if as_json:
+        click.echo(json.dumps(out, sort_keys=True))
+    else:
+        _print_summary(out)
+    if out["status"] != "succeeded":
+        raise ValidationFailed("the engine failed validation; it is stored as rejected and will not be served")
+
+
+@main.group()
+def artifacts() -> None:
+    """Query published engines."""
+
+
+@artifacts.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def artifacts_list(as_json: bool) -> None:
+    from sqlalchemy import select
+
+    from kiln.models import Artifact
+
+    _, _, sessions = _context()
+    with sessions() as s:
+        rows = [a.summary() for a in s.scalars(select(Artifact).order_by(Artifact.created_at))]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    for r in rows:
+        click.echo(f"{r['digest']}  {r['repository']}:{r['tag']}  {r['status']}  {r['backend']}")
+
+
+def _find_artifact(sessions, ref: str):
+    from kiln.digests import parse_digest
+    from kiln.errors import ArtifactUnknown
+    from kiln.models import Artifact
+
+    digest = parse_digest(ref.rsplit("@", 1)[-1], field="digest")
+    with sessions() as s:
+        row = s.get(Artifact, digest)
+    if row is None:
+        raise ArtifactUnknown(f"no engine {digest} in this registry", field="digest", fix="see kiln artifacts list")
+    return row
+
+
+@artifacts.command("show")
+@click.argument("digest")
+def artifacts_show(digest: str) -> None:
+    _, _, sessions = _context()
+    row = _find_artifact(sessions, digest)
+    click.echo(json.dumps({**row.summary(), "provenance": row.provenance, "validation": row.validation}, indent=2))
+
+
+@main.command()
+@click.argument("ref")
+@click.argument("dest", type=click.Path(path_type=Path))
+def pull(ref: str, dest: Path) -> None:
+    """Pull engine REF ([model@]sha256:...) into DEST, verifying every blob against its digest."""
+    from artifacts.oci import pull_image
+
+    _, store, sessions = _context()
+    row = _find_artifact(sessions, ref)
+    if dest.exists():
+        raise SpecError(f"{dest} already exists", field="dest", fix="give a path that does not exist yet")
+    pull_image(store, row.digest, dest)
+    note = f" (warning: this engine is {row.status})" if row.status != "fresh" else ""
+    click.echo(f"pulled {row.digest} into {dest}{note}")
+
+
+@main.group("db")
+def db_group() -> None:
+    """Database schema (Alembic migrations)."""
+
+
+@db_group.command("upgrade")
+@click.option("--revision", default="head", show_default=True)
+def db_upgrade(revision: str) -> None:
+    from kiln import db
+    from kiln.settings import get_settings
+
+    db.upgrade(get_settings().db_url, revision)
+    click.echo(f"database at {revision}")
+
+
+@db_group.command("downgrade")
+@click.argument("revision")
+def db_downgrade(revision: str) -> None:
+    from kiln import db
+    from kiln.settings import get_settings
+
+    db.downgrade(get_settings().db_url, revision)
+    click.echo(f"database at {revision}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""``aot-inductor``: a portable engine. The Llama is rebuilt from the exported (dequantized) checkpoint with
+activation quantization emulated from the exported scales, exported with ``torch.export`` with the batch
+profile as dynamic-shape ranges, and compiled ahead of time by AOTInductor into ``model.pt2``.
+
+ModelOpt's quantized module itself cannot be exported (fake tensors, data-dependent guards), hence the rebuild.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from builder.backends.base import Backend
+from kiln.errors import StageFailed
+from kiln.llama import KilnLlama
+from kiln.quantformat import load_quantized_checkpoint
+from kiln.spec import BuildSpec
+
+ENGINE_FORMAT = "kiln-aot-inductor/1"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def _dims(spec: BuildSpec):
+    from torch.export import Dim
+
+    p = spec.batch_profile
+    batch = Dim("batch", min=1, max=p.max_batch_size) if p.max_batch_size > 1 else None
+    seq = Dim("seq", min=1, max=p.max_seq_len)
+    return batch, seq
+
+
+class AOTInductorBackend(Backend):
+    name = "aot-inductor"
+    consumes = "hf"
+
+    def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
+        p = spec.batch_profile
+        return {"commands": [], "steps": [
+            f"rebuild Llama from {quantized_dir / 'hf'} (dequantized {spec.precision} weights, activation quant emulated)",
+            f"torch.export.export(model, dynamic_shapes={{batch: 1..{p.max_batch_size}, seq: 1..{p.max_seq_len}}})",
+            f"torch._inductor.aoti_compile_and_package(exported, package_path={out_dir / 'model.pt2'})"
+            f"  # device {'cuda' if spec.target != 'cpu' else 'cpu'}",
+        ]}
+
+    def check_environment(self, spec: BuildSpec) -> None:
+        if spec.target != "cpu" and not torch.cuda.is_available():
+            from kiln.errors import ToolchainMissing
+
+            raise ToolchainMissing(f"an aot-inductor engine for {spec.target} must be compiled on a CUDA GPU of that "
+                                   "architecture; this machine has none", fix="run it on a GPU worker or use --target cpu")
+
+    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
+        self.check_environment(spec)
+        device = "cpu" if spec.target == "cpu" else "cuda"
+        t0 = time.perf_counter()
+        ckpt = load_quantized_checkpoint(quantized_dir / "hf")
+        positions = int(ckpt.config.get("max_position_embeddings", 0))
+        if spec.batch_profile.max_seq_len > positions:
+            raise StageFailed(f"profile max_seq_len {spec.batch_profile.max_seq_len} exceeds the model's {positions} positions")
+        model = KilnLlama(ckpt).eval().to(device)
+        batch, seq = _dims(spec)
+        example = torch.zeros((2 if batch is not None else 1, 8), dtype=torch.long, device=device)
+        t1 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                exported = torch.export.export(model, (example,), dynamic_shapes={"input_ids": {0: batch, 1: seq}})
+            t2 = time.perf_counter()
+            out_dir.mkdir(parents=True)
+            with torch.no_grad():
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / "model.pt2"))
+        except Exception as exc:
+            raise StageFailed(f"AOTInductor compile failed: {type(exc).__name__}: {exc}") from exc
+        t3 = time.perf_counter()
+        for name in TOKENIZER_FILES + ("config.json", "hf_quant_config.json"):
+            if (quantized_dir / "hf" / name).exists():
+                shutil.copy2(quantized_dir / "hf" / name, out_dir / name)
+        p = spec.batch_profile
+        engine = {
+            "format": ENGINE_FORMAT, "device": device, "target": spec.target, "precision": spec.precision,
+            "quant_algo": ckpt.quant_algo, "activation_quant_emulated": ckpt.quant_algo is not None,
+            "kv_cache": "none (full-sequence forward, no KV cache)",
+            "input": {"name": "input_ids", "dtype": "int64", "shape": [f"1..{p.max_batch_size}", f"1..{p.max_seq_len}"]},
+            "output": {"name": "logits", "dtype": "float32", "shape": ["batch", "seq", int(ckpt.config["vocab_size"])]},
+            "profile": p.model_dump(), "torch": torch.__version__,
+        }
+        (out_dir / "engine.json").write_text(json.dumps(engine, indent=2, sort_keys=True))
+        return {"backend": self.name, "device": device,
+                "seconds": {"rebuild": round(t1 - t0, 3), "export": round(t2 - t1, 3), "compile": round(t3 - t2, 3)}}

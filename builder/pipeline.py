@@ -1,0 +1,223 @@
+"""One build: resolve → quantize → compile → validate → publish. Each stage is a plain function of its
+inputs; the quantize and compile outputs are cached under their stage keys (written to a staging folder and
+renamed into place), so an equal key reuses them and a crashed build resumes from its last finished stage."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+import kiln
+from artifacts.interfaces import BlobStore
+from builder import quantize as quantize_stage
+from builder.backends import get_backend
+from builder.publish import publish, tag_for
+from builder.resolve import ResolvedCheckpoint, read_model_config, resolve_checkpoint
+from kiln.datasets import load_text
+from kiln.errors import BuildCancelled, SpecError
+from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key
+from kiln.models import Artifact
+from kiln.settings import Settings
+from kiln.spec import BuildSpec
+from kiln.toolchain import toolchain_for
+from validation.gates import effective_gates
+from validation.runners import open_engine, open_reference
+from validation.validate import validate
+
+STAGES = ("resolve", "quantize", "compile", "validate", "publish")
+Event = Callable[[str, dict], None]
+
+
+@dataclass
+class StageRecord:
+    name: str
+    status: str  # ran | cached | skipped
+    seconds: float = 0.0
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class BuildOutcome:
+    build_key: str
+    status: str  # succeeded | failed
+    cache_hit: bool
+    digest: str | None
+    stages: list[StageRecord]
+    validation: dict
+    artifact: dict | None
+
+    def to_dict(self) -> dict:
+        return {"build_key": self.build_key, "digest": self.digest, "status": self.status,
+                "cache_hit": self.cache_hit,
+                "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3)} for s in self.stages],
+                "validation": {"passed": self.validation.get("passed"), "metrics": self.validation.get("metrics", {}),
+                               "gates": self.validation.get("gates", [])},
+                "artifact": self.artifact}
+
+
+@dataclass
+class Prepared:
+    spec: BuildSpec
+    resolved: ResolvedCheckpoint
+    model_config: dict
+    toolchain: dict
+    gates: dict
+    calib_text: str
+    eval_text: str
+    data: dict
+    quantize_key: str
+    compile_key: str
+    build_key: str
+
+
+def check_model_fits(spec: BuildSpec, config: dict) -> None:
+    """Rules that need the checkpoint's config.json; still checked before any expensive work."""
+    positions = int(config.get("max_position_embeddings") or 0)
+    if positions and spec.batch_profile.max_seq_len > positions:
+        raise SpecError(f"{spec.batch_profile.max_seq_len} exceeds the model's {positions} positions",
+                        field="profile.max_seq_len", fix=f"use max_seq_len ≤ {positions}")
+    if not config.get("architectures"):
+        raise SpecError("the checkpoint's config.json has no 'architectures'", field="checkpoint",
+                        fix="set architectures (e.g. [\"LlamaForCausalLM\"]) in config.json")
+
+
+def _cached_dir(root: Path, key: str) -> Path:
+    return root / key.split(":", 1)[1]
+
+
+def _run_cached(root: Path, key: str, produce: Callable[[Path], dict]) -> tuple[Path, dict | None]:
+    """Return the stage output for ``key``; ``produce`` writes it into a staging path renamed into place."""
+    final = _cached_dir(root, key)
+    if (final / ".complete").is_file():
+        return final, None
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".staging-{uuid.uuid4().hex}"
+    try:
+        record = produce(staging)
+        (staging / ".complete").write_text(json.dumps(record, sort_keys=True))
+        if final.exists():  # a crashed earlier attempt left an incomplete folder
+            shutil.rmtree(final)
+        staging.rename(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final, record
+
+
+class Builder:
+    def __init__(self, settings: Settings, store: BlobStore, sessions: sessionmaker[Session], *,
+                 on_event: Event | None = None, should_cancel: Callable[[], bool] | None = None):
+        self.settings, self.store, self.sessions = settings, store, sessions
+        self.on_event = on_event or (lambda kind, data: None)
+        self.should_cancel = should_cancel or (lambda: False)
+
+    # -- planning --------------------------------------------------------------------------------
+    def prepare(self, spec: BuildSpec) -> tuple[Prepared, StageRecord]:
+        backend = get_backend(spec.backend)
+        backend.check_environment(spec)  # fail at once on the wrong machine, before any work
+        self.on_event("stage", {"name": "resolve", "state": "started"})
+        t = time.perf_counter()
+        resolved, was_cached = resolve_checkpoint(spec.checkpoint, cache_root=self.settings.cache_dir / "resolve",
+                                                  s3_endpoint_url=self.settings.s3_endpoint_url)
+        config = read_model_config(resolved)
+        check_model_fits(spec, config)
+        roots = self.settings.roots
+        calib_text, calib_digest = load_text(spec.calibration.dataset, field="calibration.dataset", roots=roots)
+        eval_text, eval_digest = load_text(spec.evaluation.dataset, field="evaluation.dataset", roots=roots)
+        toolchain = toolchain_for(spec.backend, spec.target)
+        gates = effective_gates(spec.precision, spec.gates)
+        data = {"calibration": calib_digest, "evaluation": eval_digest}
+        qkey = quantize_key(resolved.digest, spec, toolchain, calib_digest)
+        prepared = Prepared(spec, resolved, config, toolchain, gates, calib_text, eval_text, data, qkey,
+                            compile_key(qkey, spec, toolchain), build_key(resolved.digest, spec, toolchain, gates, data))
+        record = StageRecord("resolve", "cached" if was_cached else "ran", time.perf_counter() - t,
+                             {"digest": resolved.digest, "revision": resolved.revision})
+        self._finished(record)
+        return prepared, record
+
+    def plan(self, spec: BuildSpec) -> dict:
+        """What a build would do, without doing it (resolve only: the key needs the checkpoint's content)."""
+        p, _ = self.prepare(spec)
+        qdir = _cached_dir(self.settings.cache_dir / "quantize", p.quantize_key)
+        cdir = _cached_dir(self.settings.cache_dir / "compile", p.compile_key)
+        existing = self._existing(p.build_key)
+        return {
+            "build_key": p.build_key, "quantize_key": p.quantize_key, "compile_key": p.compile_key,
+            "spec": p.spec.model_dump(), "profile": p.spec.batch_profile.model_dump(), "tag": tag_for(p.spec),
+            "checkpoint": p.resolved.provenance(), "toolchain": p.toolchain, "gates": p.gates,
+            "cached": {"artifact": existing.digest if existing else None,
+                       "quantize": (qdir / ".complete").is_file(), "compile": (cdir / ".complete").is_file()},
+            "compile": get_backend(p.spec.backend).plan(p.spec, qdir, cdir),
+        }
+
+    # -- running ---------------------------------------------------------------------------------
+    def build(self, spec: BuildSpec) -> BuildOutcome:
+        p, resolve_rec = self.prepare(spec)
+        stages = [resolve_rec]
+        existing = self._existing(p.build_key)
+        if existing is not None:
+            stages += [StageRecord(n, "cached") for n in STAGES[1:]]
+            for s in stages[1:]:
+                self._finished(s)
+            return self._outcome(p.build_key, existing, stages, cache_hit=True)
+
+        backend = get_backend(spec.backend)
+        self._check_cancel()
+        qdir, rec = self._stage("quantize", lambda: _run_cached(
+            self.settings.cache_dir / "quantize", p.quantize_key,
+            lambda out: quantize_stage.quantize(p.resolved.local_dir, spec, p.calib_text, out)), stages)
+        self._check_cancel()
+        cdir, _ = self._stage("compile", lambda: _run_cached(
+            self.settings.cache_dir / "compile", p.compile_key,
+            lambda out: backend.compile(spec, qdir, out)), stages)
+        self._check_cancel()
+        report, _ = self._stage("validate", lambda: (validate(
+            open_engine(spec.backend, cdir), open_reference(p.resolved.local_dir), p.resolved.local_dir,
+            p.eval_text, spec, p.gates, int(p.model_config["vocab_size"])), {}), stages)
+        self._check_cancel()
+        provenance = {
+            "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "kiln": kiln.__version__,
+            "recipe": RECIPE_VERSION, "spec": spec.model_dump(), "build_key": p.build_key,
+            "quantize_key": p.quantize_key, "compile_key": p.compile_key, "checkpoint": p.resolved.provenance(),
+            "toolchain": p.toolchain, "gates": p.gates, "data": p.data,
+            "stages": [asdict(s) for s in stages],
+        }
+        row, _ = self._stage("publish", lambda: (publish(
+            self.store, self.sessions, cdir, spec=spec, build_key=p.build_key, provenance=provenance,
+            validation=report), {}), stages)
+        return self._outcome(p.build_key, row, stages, cache_hit=False)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _stage(self, name: str, fn: Callable[[], tuple], stages: list[StageRecord]):
+        self.on_event("stage", {"name": name, "state": "started"})
+        t = time.perf_counter()
+        value, record = fn()
+        status = "cached" if name in ("quantize", "compile") and record is None else "ran"
+        rec = StageRecord(name, status, time.perf_counter() - t, record or {})
+        stages.append(rec)
+        self._finished(rec)
+        return value, rec
+
+    def _finished(self, rec: StageRecord) -> None:
+        self.on_event("stage", {"name": rec.name, "state": "finished", "status": rec.status, "seconds": rec.seconds})
+
+    def _check_cancel(self) -> None:
+        if self.should_cancel():
+            raise BuildCancelled("the build was cancelled")
+
+    def _existing(self, key: str) -> Artifact | None:
+        with self.sessions() as session:
+            return session.scalars(select(Artifact).where(Artifact.build_key == key)).first()
+
+    def _outcome(self, key: str, row: Artifact, stages: list[StageRecord], *, cache_hit: bool) -> BuildOutcome:
+        validation = row.validation or {}
+        status = "succeeded" if row.status != "rejected" else "failed"
+        return BuildOutcome(key, status, cache_hit, row.digest, stages, validation, row.summary())

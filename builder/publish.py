@@ -1,0 +1,70 @@
+"""Stage 5, publish: content-addressed blobs, then the manifest, then the referrer carrying provenance and the
+validation report, then the index row — in that order, so nothing half-written is ever visible (a reader finds
+an engine only through the index row, written last)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from artifacts.interfaces import BlobStore
+from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_engine_image, push_referrer
+from kiln.models import Artifact
+from kiln.spec import BuildSpec
+
+PROVENANCE_TYPE = "application/vnd.kiln.provenance.v1+json"
+ANNOTATION_PREFIX = "dev.kiln"
+
+
+def tag_for(spec: BuildSpec) -> str:
+    default_backend = "aot-inductor" if spec.target == "cpu" else "trtllm-engine"
+    suffix = "" if spec.backend == default_backend else f"-{spec.backend}"
+    return f"{spec.precision}-{spec.target}-{spec.batch_profile.name}{suffix}"
+
+
+def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: bool) -> dict[str, str]:
+    return {
+        "org.opencontainers.image.title": spec.model_name or "",
+        "org.opencontainers.image.version": tag_for(spec),
+        "org.opencontainers.image.created": provenance["created"],
+        f"{ANNOTATION_PREFIX}.build-key": build_key,
+        f"{ANNOTATION_PREFIX}.checkpoint.digest": provenance["checkpoint"]["digest"],
+        f"{ANNOTATION_PREFIX}.checkpoint.ref": provenance["checkpoint"]["ref"],
+        f"{ANNOTATION_PREFIX}.precision": spec.precision,
+        f"{ANNOTATION_PREFIX}.target": spec.target,
+        f"{ANNOTATION_PREFIX}.backend": spec.backend,
+        f"{ANNOTATION_PREFIX}.profile": json.dumps(spec.batch_profile.model_dump(), sort_keys=True),
+        f"{ANNOTATION_PREFIX}.toolchain": json.dumps(provenance["toolchain"], sort_keys=True),
+        f"{ANNOTATION_PREFIX}.validation.passed": str(passed).lower(),
+    }
+
+
+def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path, *, spec: BuildSpec,
+            build_key: str, provenance: dict, validation: dict) -> Artifact:
+    passed = bool(validation.get("passed"))
+    annotations = annotations_for(spec, build_key, provenance, passed)
+    labels = {k: v for k, v in annotations.items() if k.startswith(ANNOTATION_PREFIX)}
+    image = push_engine_image(store, engine_dir, annotations=annotations, labels=labels)
+    payload = json.dumps({"provenance": provenance, "validation": validation}, sort_keys=True, indent=1).encode()
+    push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
+                  artifact_type=PROVENANCE_TYPE, payload=payload, payload_media_type=PROVENANCE_TYPE,
+                  annotations={f"{ANNOTATION_PREFIX}.build-key": build_key})
+    row = Artifact(
+        digest=image.digest, build_key=build_key, repository=spec.model_name, tag=tag_for(spec),
+        status="fresh" if passed else "rejected", precision=spec.precision, target=spec.target,
+        profile=spec.batch_profile.name, backend=spec.backend, checkpoint_ref=spec.checkpoint,
+        checkpoint_digest=provenance["checkpoint"]["digest"], checkpoint_revision=provenance["checkpoint"]["revision"],
+        size=image.size + sum(layer.size for layer in image.layers), provenance=provenance, validation=validation,
+    )
+    with sessions() as session:
+        session.add(row)
+        try:
+            session.commit()
+        except IntegrityError:  # someone published the same key first: theirs answers
+            session.rollback()
+            return session.scalars(select(Artifact).where(Artifact.build_key == build_key)).one()
+    return row

@@ -1,0 +1,36 @@
+"""Text datasets for calibration and evaluation: Kiln's built-in texts (``kiln:calibration``, ``kiln:heldout``,
+written by scripts/train_tiny_llama.py from CPython's bundled documentation and kept apart from the tiny
+model's training text) or a UTF-8 ``.txt``/``.jsonl`` file under the checkpoint roots. A dataset enters keys by
+its content digest, never its path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kiln.digests import sha256_bytes
+from kiln.errors import SpecError
+
+DATA_DIR = Path(__file__).parent / "data"
+BUILTIN = {"kiln:calibration": "calibration.txt", "kiln:heldout": "heldout.txt"}
+
+
+def load_text(name: str, *, field: str, roots: list[Path]) -> tuple[str, str]:
+    """Return (text, content digest) of dataset ``name``; SpecError naming ``field`` when it cannot be used."""
+    if name in BUILTIN:
+        path = DATA_DIR / BUILTIN[name]
+    elif name.startswith("kiln:"):
+        raise SpecError(f"unknown built-in dataset {name!r}", field=field, fix=f"use one of: {', '.join(BUILTIN)}")
+    else:
+        path = Path(name.removeprefix("file://")).expanduser().resolve()
+        if not any(path == r or path.is_relative_to(r) for r in roots):
+            raise SpecError(f"{path} is outside the allowed roots", field=field,
+                            fix="put the file under a checkpoint root (KILN_CHECKPOINT_ROOTS)")
+        if path.suffix not in (".txt", ".jsonl") or not path.is_file():
+            raise SpecError(f"{path} is not a readable .txt or .jsonl file", field=field,
+                            fix="give a UTF-8 .txt file, or .jsonl with a 'text' field per line")
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    if path.suffix == ".jsonl":
+        text = "\n\n".join(json.loads(line).get("text", "") for line in text.splitlines() if line.strip())
+    return text, sha256_bytes(raw)

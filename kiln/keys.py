@@ -1,0 +1,47 @@
+"""Keys. Each is the sha256 of the canonical JSON of every input that can change the bytes it names.
+
+- ``quantize_key``: checkpoint content × precision × KV cache × calibration × quantizer toolchain. No batch
+  profile, so a profile-only change reuses the calibrated checkpoint.
+- ``compile_key``: quantize_key × profile × target × backend × compiler toolchain.
+- ``build_key`` (the BuildKey): compile_key × evaluation data × effective gates × recipe version; equal key ⇒
+  the existing artifact answers, no stage runs.
+
+A checkpoint enters only through its content digest, never a path or a branch name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.digests import sha256_json
+from kiln.spec import BuildSpec
+
+# Bump when a stage's recipe changes in a way that changes its output bytes.
+RECIPE_VERSION = "kiln-recipe-1"
+
+
+def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str) -> str:
+    return sha256_json({
+        "stage": "quantize", "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest,
+        "precision": spec.precision, "kv_cache": spec.kv_cache, "tp_size": spec.tp_size,
+        "calibration": spec.calibration.model_dump(), "calibration_data": calibration_data,
+        "toolchain": {k: toolchain.get(k) for k in ("torch", "modelopt", "transformers")},
+    })
+
+
+def compile_key(qkey: str, spec: BuildSpec, toolchain: dict[str, str]) -> str:
+    return sha256_json({
+        "stage": "compile", "recipe": RECIPE_VERSION, "quantize": qkey,
+        "profile": spec.batch_profile.limits(), "target": spec.target, "backend": spec.backend,
+        "toolchain": toolchain,
+    })
+
+
+def build_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], gates: dict[str, float],
+              data: dict[str, str]) -> str:
+    """``data``: content digests of the calibration and evaluation texts."""
+    fields: dict[str, Any] = spec.key_fields()
+    return sha256_json({
+        "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest, "spec": fields,
+        "toolchain": toolchain, "gates": gates, "data": data,
+    })

@@ -1,0 +1,54 @@
+"""SQLAlchemy 2 models: the index over the content-addressed store. The store holds bytes by digest; these
+rows say what an engine is, where it came from, and whether it may be served."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, BigInteger, DateTime, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+DIGEST = String(71)  # "sha256:" + 64 hex
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Artifact(Base):
+    """One published engine image. ``status``: fresh (servable), stale (built from an outdated checkpoint
+    head), revoked (withdrawn by an operator), rejected (failed validation; kept for inspection only)."""
+
+    __tablename__ = "artifacts"
+
+    digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    build_key: Mapped[str] = mapped_column(DIGEST, unique=True, index=True)
+    repository: Mapped[str] = mapped_column(String(255), index=True)
+    tag: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    precision: Mapped[str] = mapped_column(String(16))
+    target: Mapped[str] = mapped_column(String(16))
+    profile: Mapped[str] = mapped_column(String(64))
+    backend: Mapped[str] = mapped_column(String(32))
+    checkpoint_ref: Mapped[str] = mapped_column(Text)
+    checkpoint_digest: Mapped[str] = mapped_column(DIGEST, index=True)
+    checkpoint_revision: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    provenance: Mapped[dict] = mapped_column(JSON)
+    validation: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    def summary(self) -> dict:
+        v = self.validation or {}
+        return {
+            "digest": self.digest, "build_key": self.build_key, "repository": self.repository, "tag": self.tag,
+            "status": self.status, "precision": self.precision, "target": self.target, "profile": self.profile,
+            "backend": self.backend, "checkpoint": {"ref": self.checkpoint_ref, "digest": self.checkpoint_digest,
+                                                    "revision": self.checkpoint_revision},
+            "size": self.size, "validation": {"passed": v.get("passed")},
+            "created_at": self.created_at.isoformat() if self.created_at else None,
+        }

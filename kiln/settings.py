@@ -1,0 +1,57 @@
+"""The one settings object, read from ``KILN_*`` environment variables.
+
+Embedded defaults need no server: SQLite and a local artifact directory under ``KILN_HOME``.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
+
+    home: Path = Field(default_factory=lambda: Path.home() / ".kiln")
+    database_url: str | None = None  # default: sqlite under home
+    broker_url: str | None = None  # default: SQLite broker under home (no server)
+    store_url: str | None = None  # default: file://<home>/store
+    s3_endpoint_url: str | None = None
+    # file:// and plain-path checkpoints must lie under one of these (os.pathsep separated).
+    # Default: the current working directory.
+    checkpoint_roots: str | None = None
+    webhook_secret: str | None = None
+
+    @cached_property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home_dir / 'kiln.db'}"
+
+    @property
+    def store(self) -> str:
+        return self.store_url or f"file://{self.home_dir / 'store'}"
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{self.home_dir / 'broker.db'}"
+
+    @property
+    def cache_dir(self) -> Path:
+        """Stage cache: quantized checkpoints and compiled engines, keyed by their stage keys."""
+        return self.home_dir / "cache"
+
+    @property
+    def roots(self) -> list[Path]:
+        raw = self.checkpoint_roots or os.getcwd()
+        return [Path(p).expanduser().resolve() for p in raw.split(os.pathsep) if p]
+
+
+def get_settings() -> Settings:
+    return Settings()

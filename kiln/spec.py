@@ -1,0 +1,247 @@
+"""BuildSpec: what to build. Every rule a user expects to be told about is checked here, before any work,
+and each violation names its field (dotted path) and the fix."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kiln.errors import SpecError
+
+PRECISIONS = ("fp8", "nvfp4")
+KV_CACHES = ("none", "fp8")
+BACKENDS = ("aot-inductor", "checkpoint", "trtllm-engine")
+GPU_ARCHS = {"sm89": 89, "sm90": 90, "sm100": 100, "sm120": 120}
+GPU_NAMES = {
+    "l4": "sm89", "l40": "sm89", "l40s": "sm89", "rtx4090": "sm89", "rtx6000ada": "sm89",
+    "h100": "sm90", "h200": "sm90", "gh200": "sm90", "h20": "sm90", "h800": "sm90",
+    "b100": "sm100", "b200": "sm100", "gb200": "sm100",
+    "rtx5090": "sm120", "rtxpro6000": "sm120",
+}
+# GPUs users ask for that no Kiln precision supports (FP8 needs sm89+), so the error can say why.
+OLD_GPUS = {"a100": 80, "a10": 86, "a10g": 86, "a30": 80, "a40": 86, "rtx3090": 86, "t4": 75, "v100": 70}
+GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "min_throughput_tps")
+MODEL_NAME_RE = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
+
+LIMITS = {  # (min, max) for every integer field
+    "max_batch_size": (1, 4096), "max_input_len": (1, 1 << 20), "max_seq_len": (2, 1 << 20),
+    "max_num_tokens": (1, 1 << 24), "tp_size": (1, 8), "calibration.samples": (1, 4096),
+    "calibration.seq_len": (8, 32768), "evaluation.seq_len": (8, 32768), "evaluation.max_tokens": (64, 1 << 22),
+}
+
+
+class BatchProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = "custom"
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+
+    def limits(self) -> dict[str, int]:
+        return self.model_dump(exclude={"name"})
+
+
+PROFILES = {
+    "latency": BatchProfile(name="latency", max_batch_size=1, max_input_len=256, max_seq_len=512, max_num_tokens=512),
+    "balanced": BatchProfile(name="balanced", max_batch_size=8, max_input_len=256, max_seq_len=512, max_num_tokens=2048),
+    "throughput": BatchProfile(name="throughput", max_batch_size=32, max_input_len=256, max_seq_len=512, max_num_tokens=8192),
+}
+
+
+class Calibration(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    dataset: str = "kiln:calibration"  # built-in text, or a .txt path under the checkpoint roots
+    samples: int = 32
+    seq_len: int = 128
+
+
+class Evaluation(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    dataset: str = "kiln:heldout"
+    seq_len: int = 128
+    max_tokens: int = 16384
+
+
+class BuildSpec(BaseModel):
+    """A checked build request. Construct with :func:`parse_spec`, which applies every rule."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    checkpoint: str
+    model_name: str | None = None
+    precision: str
+    kv_cache: str = "none"
+    profile: BatchProfile | str = "latency"
+    target: str = "cpu"
+    backend: str = "aot-inductor"
+    tp_size: int = 1
+    calibration: Calibration = Field(default_factory=Calibration)
+    evaluation: Evaluation = Field(default_factory=Evaluation)
+    gates: dict[str, float] = Field(default_factory=dict)
+
+    @property
+    def batch_profile(self) -> BatchProfile:
+        assert isinstance(self.profile, BatchProfile), "parse_spec expands named profiles"
+        return self.profile
+
+    @property
+    def sm(self) -> int | None:
+        return GPU_ARCHS.get(self.target)
+
+    def key_fields(self) -> dict[str, Any]:
+        """The spec's part of the BuildKey: everything but the checkpoint location and names."""
+        return {
+            "precision": self.precision, "kv_cache": self.kv_cache, "profile": self.batch_profile.limits(),
+            "target": self.target, "backend": self.backend, "tp_size": self.tp_size,
+            "calibration": self.calibration.model_dump(), "evaluation": self.evaluation.model_dump(),
+        }
+
+
+def _bad(field: str, message: str, fix: str) -> dict:
+    return {"field": field, "message": message, "fix": fix}
+
+
+def normalize_target(value: str) -> tuple[str | None, dict | None]:
+    """``cpu``, ``sm90`` or a GPU name (``h100``) → canonical target, or an error dict."""
+    v = str(value).strip().lower().replace(" ", "").replace("_", "").replace("nvidia", "")
+    v = v.replace("-", "") if not v.startswith("sm") else v
+    if v == "cpu" or v in GPU_ARCHS:
+        return v, None
+    if v in GPU_NAMES:
+        return GPU_NAMES[v], None
+    if v in OLD_GPUS or (v.startswith("sm") and v[2:].isdigit()):
+        sm = OLD_GPUS.get(v) or int(v[2:])
+        return None, _bad("target", f"{value!r} is sm{sm}; FP8 needs sm89+ and NVFP4 engines sm100+",
+                          "use a target of sm89 or newer (sm89, sm90, sm100, sm120) or cpu")
+    return None, _bad("target", f"unknown target {value!r}",
+                      f"use cpu, one of {', '.join(GPU_ARCHS)}, or a GPU name such as {', '.join(list(GPU_NAMES)[:6])}")
+
+
+def check_checkpoint_ref(ref: str, roots: list[Path]) -> dict | None:
+    """Shape of the reference, and local paths only under the configured roots (no traversal)."""
+    if not isinstance(ref, str) or not ref.strip():
+        return _bad("checkpoint", "is empty", "give hf://org/name@revision, s3://bucket/prefix or a directory")
+    if ref.startswith("hf://"):
+        repo = ref[5:].split("@", 1)[0]
+        if not re.match(r"^[\w.-]+/[\w.-]+$", repo):
+            return _bad("checkpoint", f"{ref!r} is not hf://org/name[@revision]", "write hf://org/name@revision")
+        return None
+    if ref.startswith("s3://"):
+        if not urlparse(ref).netloc:
+            return _bad("checkpoint", f"{ref!r} names no bucket", "write s3://bucket/prefix")
+        return None
+    if "://" in ref and not ref.startswith("file://"):
+        return _bad("checkpoint", f"unsupported scheme in {ref!r}", "use hf://, s3://, file:// or a directory path")
+    path = Path(urlparse(ref).path if ref.startswith("file://") else ref).expanduser().resolve()
+    if not any(path == root or path.is_relative_to(root) for root in roots):
+        return _bad("checkpoint", f"{path} is outside the allowed checkpoint roots",
+                    "move it under a root or add its parent to KILN_CHECKPOINT_ROOTS")
+    return None
+
+
+def default_model_name(ref: str) -> str:
+    if ref.startswith("hf://"):
+        base = ref[5:].split("@", 1)[0]
+    elif ref.startswith("s3://"):
+        base = urlparse(ref).path.strip("/").split("/")[-1] or urlparse(ref).netloc
+    else:
+        base = Path(urlparse(ref).path if ref.startswith("file://") else ref).resolve().name
+    name = re.sub(r"[^a-z0-9./_-]+", "-", base.lower()).strip("-._/")
+    return re.sub(r"[-._]{2,}", "-", name) or "model"
+
+
+def _rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
+    errs: list[dict] = []
+    if (e := check_checkpoint_ref(d["checkpoint"], roots)):
+        errs.append(e)
+    if d["precision"] not in PRECISIONS:
+        errs.append(_bad("precision", f"{d['precision']!r} is not supported", f"use one of: {', '.join(PRECISIONS)}"))
+    if d["kv_cache"] not in KV_CACHES:
+        errs.append(_bad("kv_cache", f"{d['kv_cache']!r} is not supported", f"use one of: {', '.join(KV_CACHES)}"))
+    if d["backend"] not in BACKENDS:
+        errs.append(_bad("backend", f"{d['backend']!r} is not a backend", f"use one of: {', '.join(BACKENDS)}"))
+    target, err = normalize_target(d["target"])
+    errs += [err] if err else []
+    d["target"] = target or d["target"]
+    name = d.get("model_name")
+    if name is not None and not MODEL_NAME_RE.match(name):
+        errs.append(_bad("model_name", f"{name!r} is not a valid repository name",
+                         "use lowercase letters, digits, '.', '_', '-' and '/' separators, e.g. acme/tiny"))
+    prof = d["profile"]
+    if isinstance(prof, str):
+        if prof not in PROFILES:
+            errs.append(_bad("profile", f"unknown profile {prof!r}",
+                             f"use one of: {', '.join(PROFILES)}, or give max_batch_size, max_input_len, max_seq_len, max_num_tokens"))
+            return errs
+        d["profile"] = PROFILES[prof]
+        prof = d["profile"].model_dump()
+    ints = {f"profile.{k}": prof.get(k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")}
+    ints |= {"tp_size": d["tp_size"], "calibration.samples": d["calibration"].samples,
+             "calibration.seq_len": d["calibration"].seq_len, "evaluation.seq_len": d["evaluation"].seq_len,
+             "evaluation.max_tokens": d["evaluation"].max_tokens}
+    for field, value in ints.items():
+        lo, hi = LIMITS[field.removeprefix("profile.")]
+        if not lo <= value <= hi:
+            errs.append(_bad(field, f"{value} is out of range", f"use an integer from {lo} to {hi}"))
+    if prof["max_seq_len"] < prof["max_input_len"]:
+        errs.append(_bad("profile.max_seq_len", f"{prof['max_seq_len']} is below max_input_len {prof['max_input_len']}",
+                         "make max_seq_len ≥ max_input_len (it counts prompt plus generated tokens)"))
+    if prof["max_num_tokens"] < prof["max_batch_size"]:
+        errs.append(_bad("profile.max_num_tokens", f"{prof['max_num_tokens']} is below max_batch_size {prof['max_batch_size']}",
+                         "make max_num_tokens ≥ max_batch_size"))
+    if d["tp_size"] & (d["tp_size"] - 1):
+        errs.append(_bad("tp_size", f"{d['tp_size']} is not a power of two", "use 1, 2, 4 or 8"))
+    errs += _target_rules(d)
+    for gname, value in d["gates"].items():
+        if gname not in GATE_NAMES:
+            errs.append(_bad(f"gates.{gname}", "unknown gate", f"use one of: {', '.join(GATE_NAMES)}"))
+        elif not isinstance(value, (int, float)) or value != value:
+            errs.append(_bad(f"gates.{gname}", f"{value!r} is not a number", "give a number, e.g. 5.0"))
+    return errs
+
+
+def _target_rules(d: dict[str, Any]) -> list[dict]:
+    errs, target, backend, precision = [], d["target"], d["backend"], d["precision"]
+    sm = GPU_ARCHS.get(target)
+    if backend == "trtllm-engine" and target == "cpu":
+        errs.append(_bad("target", "a TensorRT-LLM engine needs a GPU target",
+                         "use --target sm89|sm90|sm100|sm120 (or a GPU name), or --backend aot-inductor for cpu"))
+    if precision == "fp8" and sm is not None and sm < 89:
+        errs.append(_bad("precision", f"FP8 needs sm89+, target is sm{sm}", "use a newer GPU target"))
+    if backend == "trtllm-engine" and precision == "nvfp4" and sm is not None and sm < 100:
+        errs.append(_bad("target", f"an NVFP4 TensorRT-LLM engine needs sm100+ (Blackwell), target is {target}",
+                         "use --target sm100 or sm120, or --precision fp8, or --backend checkpoint"))
+    if d["tp_size"] > 1 and backend != "trtllm-engine":
+        errs.append(_bad("tp_size", f"tensor parallelism is only for trtllm-engine builds, backend is {backend}",
+                         "use --tp 1, or --backend trtllm-engine"))
+    if d["kv_cache"] == "fp8" and backend == "aot-inductor":
+        errs.append(_bad("kv_cache", "aot-inductor engines have no KV cache to quantize",
+                         "use --kv-cache none, or --backend checkpoint / trtllm-engine"))
+    return errs
+
+
+def parse_spec(data: dict[str, Any], roots: list[Path]) -> BuildSpec:
+    """Check ``data`` against every rule; raise SpecError (all violations in ``details``) or return the spec
+    with its profile expanded and its target canonical."""
+    try:
+        raw = BuildSpec.model_validate(data)
+    except ValidationError as exc:
+        details = [_bad(".".join(str(p) for p in e["loc"]) or "spec", e["msg"],
+                        "see the BuildSpec schema (GET /openapi.json) for the field's type") for e in exc.errors()]
+        raise SpecError(details[0]["message"], field=details[0]["field"], fix=details[0]["fix"],
+                        details=details) from None
+    d = raw.model_dump()
+    d["calibration"], d["evaluation"], d["profile"] = raw.calibration, raw.evaluation, raw.profile
+    if isinstance(d["profile"], BatchProfile):
+        d["profile"] = d["profile"].model_dump()
+    errs = _rules(d, roots)
+    if errs:
+        raise SpecError(errs[0]["message"], field=errs[0]["field"], fix=errs[0]["fix"], details=errs)
+    if isinstance(d["profile"], dict):
+        d["profile"] = BatchProfile(**d["profile"])
+    d["model_name"] = d.get("model_name") or default_model_name(d["checkpoint"])
+    return BuildSpec.model_validate(d)
