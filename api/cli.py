@@ -27,9 +27,23 @@ class KilnGroup(click.Group):
             sys.exit(exit_code(exc))
 
 
+def _quiet_libraries() -> None:
+    """Library progress bars and deprecation chatter are not Kiln's output; stage lines are."""
+    import logging
+    import os
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+
+
 @click.group(cls=KilnGroup)
 def main() -> None:
     """Kiln: checkpoints in, validated, versioned engines out."""
+    _quiet_libraries()
 
 
 def _context():

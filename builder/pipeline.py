@@ -23,7 +23,7 @@ from builder.backends import get_backend
 from builder.publish import publish, tag_for
 from builder.resolve import ResolvedCheckpoint, read_model_config, resolve_checkpoint
 from kiln.datasets import load_text
-from kiln.errors import BuildCancelled, SpecError
+from kiln.errors import BuildCancelled, KilnError, SpecError
 from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key
 from kiln.models import Artifact
 from kiln.settings import Settings
@@ -120,9 +120,9 @@ class Builder:
         self.should_cancel = should_cancel or (lambda: False)
 
     # -- planning --------------------------------------------------------------------------------
-    def prepare(self, spec: BuildSpec) -> tuple[Prepared, StageRecord]:
-        backend = get_backend(spec.backend)
-        backend.check_environment(spec)  # fail at once on the wrong machine, before any work
+    def prepare(self, spec: BuildSpec, *, check_environment: bool = True) -> tuple[Prepared, StageRecord]:
+        if check_environment:  # fail at once on the wrong machine, before any work
+            get_backend(spec.backend).check_environment(spec)
         self.on_event("stage", {"name": "resolve", "state": "started"})
         t = time.perf_counter()
         resolved, was_cached = resolve_checkpoint(spec.checkpoint, cache_root=self.settings.cache_dir / "resolve",
@@ -145,7 +145,12 @@ class Builder:
 
     def plan(self, spec: BuildSpec) -> dict:
         """What a build would do, without doing it (resolve only: the key needs the checkpoint's content)."""
-        p, _ = self.prepare(spec)
+        p, _ = self.prepare(spec, check_environment=False)
+        try:
+            get_backend(spec.backend).check_environment(spec)
+            environment = {"ready": True}
+        except KilnError as exc:
+            environment = {"ready": False, "reason": str(exc)}
         qdir = _cached_dir(self.settings.cache_dir / "quantize", p.quantize_key)
         cdir = _cached_dir(self.settings.cache_dir / "compile", p.compile_key)
         existing = self._existing(p.build_key)
@@ -155,7 +160,7 @@ class Builder:
             "checkpoint": p.resolved.provenance(), "toolchain": p.toolchain, "gates": p.gates,
             "cached": {"artifact": existing.digest if existing else None,
                        "quantize": (qdir / ".complete").is_file(), "compile": (cdir / ".complete").is_file()},
-            "compile": get_backend(p.spec.backend).plan(p.spec, qdir, cdir),
+            "compile": get_backend(p.spec.backend).plan(p.spec, qdir, cdir), "environment": environment,
         }
 
     # -- running ---------------------------------------------------------------------------------

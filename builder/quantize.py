@@ -7,7 +7,9 @@ ModelOpt's exporters modify the model in place, so each format is exported from 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import logging
 import time
@@ -75,7 +77,8 @@ def quantize(checkpoint_dir: Path, spec: BuildSpec, calib_text: str, out_dir: Pa
                 m(batches[i : i + 8])
 
     t1 = time.perf_counter()
-    with warnings.catch_warnings():
+    library_log = io.StringIO()  # ModelOpt prints progress to stdout; keep it in the stage record instead
+    with warnings.catch_warnings(), contextlib.redirect_stdout(library_log):
         warnings.simplefilter("ignore")
         try:
             model = mtq.quantize(model, quant_config(spec.precision, spec.kv_cache), forward_loop)
@@ -97,6 +100,7 @@ def quantize(checkpoint_dir: Path, spec: BuildSpec, calib_text: str, out_dir: Pa
         "calibration": {**spec.calibration.model_dump(), "tokens": int(batches.numel())},
         "quantized_linears": quantized,
         "seconds": {"load": round(t1 - t0, 3), "calibrate": round(t2 - t1, 3), "export": round(t3 - t2, 3)},
+        "log": library_log.getvalue().splitlines()[-50:],
         "hf_quant_config": json.loads((out_dir / "hf" / "hf_quant_config.json").read_text()),
     }
     (out_dir / "quantize.json").write_text(json.dumps(record, indent=2))

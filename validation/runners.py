@@ -38,8 +38,9 @@ class AOTInductorRunner:
             raise StageFailed(f"the AOTInductor package does not load: {type(exc).__name__}: {exc}") from exc
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The compiled kernels assume contiguous inputs: a strided view (e.g. windows[:, :-1]) reads garbage.
         with torch.no_grad():
-            out = self._fn(input_ids.to(self.device))
+            out = self._fn(input_ids.to(self.device).contiguous())
         return (out[0] if isinstance(out, (list, tuple)) else out).float().cpu()
 
 

@@ -28,7 +28,7 @@ def _dims(spec: BuildSpec):
     from torch.export import Dim
 
     p = spec.batch_profile
-    batch = Dim("batch", min=1, max=p.max_batch_size) if p.max_batch_size > 1 else None
+    batch = Dim("batch", min=1, max=p.max_batch_size) if p.max_batch_size > 1 else Dim.STATIC
     seq = Dim("seq", min=1, max=p.max_seq_len)
     return batch, seq
 
@@ -63,7 +63,7 @@ class AOTInductorBackend(Backend):
             raise StageFailed(f"profile max_seq_len {spec.batch_profile.max_seq_len} exceeds the model's {positions} positions")
         model = KilnLlama(ckpt).eval().to(device)
         batch, seq = _dims(spec)
-        example = torch.zeros((2 if batch is not None else 1, 8), dtype=torch.long, device=device)
+        example = torch.zeros((2 if spec.batch_profile.max_batch_size > 1 else 1, 8), dtype=torch.long, device=device)
         t1 = time.perf_counter()
         try:
             with torch.no_grad():

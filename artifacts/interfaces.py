@@ -1,0 +1,160 @@
+"""The storage contract: a content-addressed blob store.
+
+Every artifact Kiln keeps (engine layers, image configs, manifests, reports) is a blob named by
+the sha256 of its bytes. Backends (:class:`~artifacts.local.LocalBlobStore`,
+:class:`~artifacts.s3.S3BlobStore`) implement :class:`BlobStore` and pass one shared conformance
+suite (``tests/unit/artifacts/test_blobstore_conformance.py``).
+
+The rules every backend keeps:
+
+* **Stage, verify, commit.** A write goes to a staging place first (a temp file, a multipart
+  upload, or a staging key), the digest is computed in the same pass as the bytes move, and only
+  then is the blob committed under ``blobs/sha256/<hex>`` (see :mod:`artifacts.paths`). A reader
+  never sees a partial blob; a failed write removes its staging (only a crashed process leaves
+  some under ``uploads/``, which holds nothing a reader can see).
+* **Idempotent on digest.** Writing bytes whose digest is already stored succeeds and returns the
+  stored blob's info; the bytes are not uploaded again when the digest is known before the upload.
+* **Digests are checked.** Every ``digest`` argument must be ``sha256:<64 lowercase hex>``, else
+  :class:`~kiln.errors.InvalidDigest`. Reading a whole blob verifies it against its digest.
+* **One set of errors.** OS and SDK errors are translated here, at the storage boundary:
+  :class:`~kiln.errors.BlobUnknown` (no such blob), :class:`~kiln.errors.DigestMismatch` (bytes do
+  not hash to their name), :class:`~kiln.errors.StorageUnavailable` (the store cannot be reached or
+  failed). Nothing above this package sees ``botocore`` or an ``OSError`` from the store. Errors
+  raised by a caller's own stream propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from kiln.digests import parse_digest, sha256_bytes, sha256_file
+from kiln.errors import BlobUnknown, DigestMismatch
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """A stored blob: its digest (``sha256:<hex>``) and its size in bytes."""
+
+    digest: str
+    size: int
+
+
+class BlobStore(abc.ABC):
+    """A content-addressed blob store. Safe to share between threads; holds no open files."""
+
+    url: str
+    """The store URL it was opened from (``file:///…`` or ``s3://bucket/prefix``)."""
+
+    # -- writing ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def put_stream(self, stream: BinaryIO, *, expected_digest: str | None = None) -> BlobInfo:
+        """Store everything ``stream`` yields until EOF and return the blob's info.
+
+        With ``expected_digest``: if that blob is already stored, return at once without reading
+        the stream; otherwise the bytes must hash to it, or :class:`DigestMismatch` is raised and
+        nothing is committed. Without it, the staged copy is hashed and committed unless an equal
+        blob already exists.
+        """
+
+    def put_file(self, path: Path) -> BlobInfo:
+        """Store the file at ``path``.
+
+        The file is hashed first (a local read is cheap next to an upload) so that a blob already
+        in the store is never sent again; it is then streamed through :meth:`put_stream`, which
+        hashes again in the same pass as the upload, so a file that changed in between is refused
+        with :class:`DigestMismatch`. Errors opening ``path`` itself propagate as ``OSError``.
+        """
+        digest, _ = sha256_file(path)
+        with open(path, "rb") as f:
+            return self.put_stream(f, expected_digest=digest)
+
+    def put_bytes(self, data: bytes) -> BlobInfo:
+        """Store ``data``; a no-op (but for one existence check) when it is already stored."""
+        return self.put_stream(io.BytesIO(data), expected_digest=sha256_bytes(data))
+
+    # -- reading ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def open_range(self, digest: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]:
+        """Yield the bytes ``[offset, offset + length)`` of a blob in chunks, unverified.
+
+        Meant for streaming and HTTP ``Range`` requests, where the client verifies. The blob is
+        looked up before this returns (:class:`BlobUnknown` is raised by the call, not by the
+        first ``next``). ``length=None`` reads to the end; a range past the end is clipped, and an
+        ``offset`` at or past the end yields nothing. Negative values raise ``ValueError``.
+        Consume or close the iterator: it holds an open file or connection.
+        """
+
+    def get_bytes(self, digest: str) -> bytes:
+        """The whole blob, verified against its digest (:class:`DigestMismatch` if corrupted)."""
+        data = b"".join(self.open_range(digest))
+        actual = sha256_bytes(data)
+        if actual != digest:
+            raise DigestMismatch(f"blob {digest} in {self.url} is corrupted: its bytes hash to {actual}")
+        return data
+
+    @abc.abstractmethod
+    def stat(self, digest: str) -> BlobInfo:
+        """The info of a stored blob; :class:`BlobUnknown` if absent."""
+
+    def exists(self, digest: str) -> bool:
+        """Whether the blob is stored (its bytes are not checked; see :meth:`verify`)."""
+        try:
+            self.stat(digest)
+        except BlobUnknown:
+            return False
+        return True
+
+    @abc.abstractmethod
+    def list_digests(self) -> Iterator[str]:
+        """Every stored digest, in lexicographic order; staging entries are never listed."""
+
+    def verify(self, digest: str) -> bool:
+        """Re-hash the stored bytes: True if they match the digest, False if corrupted.
+
+        :class:`BlobUnknown` if absent. Streams, so it is safe on blobs larger than memory.
+        """
+        hasher = hashlib.sha256()
+        chunks = self.open_range(digest)
+        try:
+            for chunk in chunks:
+                hasher.update(chunk)
+        except DigestMismatch:  # a backend's own integrity check (an S3 checksum) failed first
+            return False
+        return "sha256:" + hasher.hexdigest() == digest
+
+    # -- other -----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def delete(self, digest: str) -> None:
+        """Remove a blob. Idempotent: deleting an absent blob succeeds."""
+
+    @abc.abstractmethod
+    def presigned_url(self, digest: str, expires_s: int = 300) -> str | None:
+        """A URL a client may GET the blob from for ``expires_s`` seconds, or None where the
+        backend has none (local). It is not checked that the blob exists."""
+
+    def _existing(self, digest: str | None) -> BlobInfo | None:
+        """The stored blob's info when ``digest`` is given and stored, else None."""
+        if digest is None:
+            return None
+        try:
+            return self.stat(parse_digest(digest, field="expected_digest"))
+        except BlobUnknown:
+            return None
+
+
+def check_range(offset: int, length: int | None) -> None:
+    """Refuse a negative ``offset`` or ``length`` (shared by every :meth:`BlobStore.open_range`)."""
+    if offset < 0 or (length is not None and length < 0):
+        raise ValueError(f"invalid range: offset={offset}, length={length}")
+
+
+def check_expected(expected: str | None, actual: str, url: str) -> None:
+    """Raise :class:`DigestMismatch` when staged bytes do not hash to the digest they were sent as."""
+    if expected is not None and actual != expected:
+        raise DigestMismatch(f"bytes sent to {url} as {expected} hash to {actual}; nothing was stored")

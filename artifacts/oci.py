@@ -1,0 +1,207 @@
+"""Engine images as valid OCI images (image-spec v1.1), stored in a :class:`BlobStore`.
+
+An engine image is an ordinary OCI image manifest: one uncompressed tar layer holding the whole
+engine directory (so the layer digest is also its ``diff_id``), and an image config whose
+``Labels`` carry provenance. Reports and signatures attach as *referrers*: artifact manifests
+whose ``subject`` names the engine manifest. Standard OCI clients can therefore pull, inspect
+and discover them through the registry's ``/v2`` API.
+
+Blobs are written children first (layers, then config, then manifest), so a manifest never names
+a missing blob. Manifests and configs are canonical JSON (sorted keys, no whitespace), so equal
+inputs give equal digests; :func:`write_tar` makes equal directories give equal layers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from artifacts.interfaces import BlobInfo, BlobStore
+from artifacts.tarball import HashingReader, unpack_tar, write_tar
+from kiln.digests import canonical_json, parse_digest, sha256_bytes
+from kiln.errors import DigestMismatch
+
+MEDIA_TYPE_IMAGE_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MEDIA_TYPE_IMAGE_INDEX = "application/vnd.oci.image.index.v1+json"
+MEDIA_TYPE_IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
+MEDIA_TYPE_IMAGE_LAYER = "application/vnd.oci.image.layer.v1.tar"
+MEDIA_TYPE_EMPTY = "application/vnd.oci.empty.v1+json"
+
+EMPTY_JSON = b"{}"
+EMPTY_DESCRIPTOR: dict[str, Any] = {
+    "mediaType": MEDIA_TYPE_EMPTY,
+    "digest": sha256_bytes(EMPTY_JSON),
+    "size": len(EMPTY_JSON),
+    "data": base64.b64encode(EMPTY_JSON).decode(),
+}
+"""The image-spec's empty descriptor (the 2-byte ``{}`` blob), config of every referrer. Copy
+it before changing it."""
+
+
+@dataclass(frozen=True)
+class EngineImage:
+    """A pushed engine image: the manifest's digest and size, the manifest itself, the config
+    blob's digest and the layer blobs."""
+
+    digest: str
+    size: int
+    manifest: dict[str, Any]
+    config_digest: str
+    layers: list[BlobInfo]
+
+
+def descriptor(media_type: str, digest: str, size: int, **extra: Any) -> dict[str, Any]:
+    """An OCI content descriptor; ``extra`` adds fields such as ``annotations`` or ``artifactType``."""
+    return {"mediaType": media_type, "digest": parse_digest(digest), "size": size, **extra}
+
+
+def push_engine_image(
+    store: BlobStore,
+    engine_dir: Path,
+    *,
+    annotations: dict[str, str],
+    labels: dict[str, str],
+    created: str = "1970-01-01T00:00:00Z",
+) -> EngineImage:
+    """Store ``engine_dir`` as an OCI image: layer, then config, then manifest.
+
+    ``labels`` go into the image config (``config.Labels``, what ``docker inspect`` shows);
+    ``annotations`` into the manifest. ``created`` defaults to the epoch so that the digest depends
+    on content only. The layer tar is staged in the system temp directory (``TMPDIR``).
+    """
+    with tempfile.TemporaryDirectory(prefix="kiln-layer-") as tmp:
+        tar_path = Path(tmp) / "layer.tar"
+        write_tar(engine_dir, tar_path)
+        layer = store.put_file(tar_path)
+    config = {
+        "created": created,
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {"Labels": dict(labels)},
+        "rootfs": {"type": "layers", "diff_ids": [layer.digest]},  # uncompressed: diff_id == digest
+        "history": [{"created": created, "created_by": "kiln: engine directory as one tar layer"}],
+    }
+    config_blob = store.put_bytes(canonical_json(config))
+    manifest: dict[str, Any] = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_TYPE_IMAGE_MANIFEST,
+        "config": descriptor(MEDIA_TYPE_IMAGE_CONFIG, config_blob.digest, config_blob.size),
+        "layers": [descriptor(MEDIA_TYPE_IMAGE_LAYER, layer.digest, layer.size)],
+    }
+    if annotations:
+        manifest["annotations"] = dict(annotations)
+    blob = store.put_bytes(canonical_json(manifest))
+    return EngineImage(blob.digest, blob.size, manifest, config_blob.digest, [layer])
+
+
+def push_referrer(
+    store: BlobStore,
+    subject: dict[str, Any],
+    *,
+    artifact_type: str,
+    payload: bytes,
+    payload_media_type: str,
+    annotations: dict[str, str],
+) -> str:
+    """Attach ``payload`` (a report, a signature) to the manifest ``subject`` describes, as an
+    image-spec 1.1 artifact manifest: ``artifactType`` set, the empty config, one layer holding
+    the payload. Returns the artifact manifest's digest. The subject must be stored already."""
+    if not artifact_type:
+        raise ValueError("an artifact with the empty config needs an artifactType")
+    subject = descriptor(subject["mediaType"], subject["digest"], subject["size"])
+    store.stat(subject["digest"])  # BlobUnknown: never point at nothing
+    store.put_bytes(EMPTY_JSON)
+    layer = store.put_bytes(payload)
+    manifest: dict[str, Any] = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_TYPE_IMAGE_MANIFEST,
+        "artifactType": artifact_type,
+        "config": dict(EMPTY_DESCRIPTOR),
+        "layers": [descriptor(payload_media_type, layer.digest, layer.size)],
+        "subject": subject,
+    }
+    if annotations:
+        manifest["annotations"] = dict(annotations)
+    return store.put_bytes(canonical_json(manifest)).digest
+
+
+def read_manifest(store: BlobStore, digest: str) -> dict[str, Any]:
+    """The image manifest stored under ``digest`` (verified). ``ValueError`` if it is not one."""
+    data = store.get_bytes(digest)
+    try:
+        manifest = json.loads(data)
+    except ValueError:
+        raise ValueError(f"{digest} is not JSON, so not an image manifest") from None
+    if not isinstance(manifest, dict) or manifest.get("schemaVersion") != 2 or (
+        manifest.get("mediaType", MEDIA_TYPE_IMAGE_MANIFEST) != MEDIA_TYPE_IMAGE_MANIFEST
+    ):
+        raise ValueError(f"{digest} is not an OCI image manifest")
+    return manifest
+
+
+def read_config(store: BlobStore, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The config blob a manifest names, verified against its descriptor's digest and size."""
+    return json.loads(_read_described(store, manifest["config"]))
+
+
+def pull_image(store: BlobStore, manifest_digest: str, dest_dir: Path) -> dict[str, Any]:
+    """Unpack the image ``manifest_digest`` into ``dest_dir``, which must not exist yet.
+
+    Every layer is hashed while it is unpacked, into a staging directory next to ``dest_dir``
+    that is renamed into place only when all layers are verified: a failed pull (a corrupted
+    layer raises :class:`DigestMismatch` naming it; an unsafe archive ``ValueError``) leaves
+    nothing at ``dest_dir``. Returns the manifest.
+    """
+    dest_dir = Path(dest_dir)
+    if dest_dir.exists() or dest_dir.is_symlink():
+        raise FileExistsError(f"{dest_dir} exists; pull into a new path")
+    manifest = read_manifest(store, manifest_digest)
+    layers = manifest.get("layers", [])
+    if bad := [d["mediaType"] for d in layers if d.get("mediaType") != MEDIA_TYPE_IMAGE_LAYER]:
+        raise ValueError(f"{manifest_digest} has layers this puller does not unpack: {bad}")
+    diff_ids = read_config(store, manifest).get("rootfs", {}).get("diff_ids")
+    if diff_ids != [d["digest"] for d in layers]:
+        raise DigestMismatch(f"{manifest_digest}: config rootfs.diff_ids do not match the layers")
+    dest_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest_dir.name}.pull-", dir=dest_dir.parent))
+    try:
+        for layer in layers:
+            _unpack_layer(store, layer, staging)
+        os.chmod(staging, 0o755)
+        os.rename(staging, dest_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _unpack_layer(store: BlobStore, layer: dict[str, Any], dest: Path) -> None:
+    """Unpack one layer while hashing it. When unpacking fails, the rest of the layer is still
+    hashed, so that a damaged layer is reported as damaged rather than as a bad archive."""
+    reader = HashingReader(store.open_range(parse_digest(layer["digest"])))
+    failure: Exception | None = None
+    try:
+        unpack_tar(reader, dest)  # type: ignore[arg-type]
+    except (tarfile.TarError, ValueError, OSError) as e:
+        failure = e
+    reader.drain()
+    if reader.digest != layer["digest"] or reader.size != layer["size"]:
+        raise DigestMismatch(
+            f"layer {layer['digest']} is corrupted: read {reader.size} bytes hashing to {reader.digest}"
+        )
+    if failure is not None:
+        raise failure
+
+
+def _read_described(store: BlobStore, desc: dict[str, Any]) -> bytes:
+    data = store.get_bytes(parse_digest(desc["digest"]))
+    if len(data) != desc["size"]:
+        raise DigestMismatch(f"blob {desc['digest']} is {len(data)} bytes, its descriptor says {desc['size']}")
+    return data

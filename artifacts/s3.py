@@ -1,0 +1,223 @@
+"""A blob store in an S3 bucket (AWS S3, MinIO, or moto's server in tests), through boto3.
+
+How a write is staged depends on what is known before the bytes move:
+
+* **Digest known** (``put_file``, ``put_bytes``, ``put_stream(expected_digest=...)``): after a
+  HEAD says the blob is absent, the bytes go straight to the final key: one PUT up to
+  :data:`PART_SIZE`, a multipart upload above it. A multipart upload is invisible until it is
+  completed, and it is completed only if the bytes, hashed in the same pass, match the digest; so
+  large files need no staging key and no server-side copy.
+* **Digest unknown** (a plain ``put_stream``): up to :data:`PART_SIZE` the bytes are hashed in
+  memory (that buffer is the staged copy) and PUT as above. A larger stream goes up as a
+  multipart upload to a staging key under ``uploads/``; once hashed, an existing blob means the
+  upload is aborted, otherwise it is completed, copied server-side to the final key (part by part
+  above 5 GiB, the CopyObject limit) and the staging key deleted.
+
+Creating a final key is conditional (``If-None-Match: *``); a 412 means another writer committed
+the same bytes first, which is success. Every part and single PUT carries its SHA-256 checksum,
+so S3 refuses bytes damaged in transit. Retries are botocore's (standard mode), not a loop here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
+
+from artifacts import paths
+from artifacts.interfaces import BlobInfo, BlobStore, check_expected, check_range
+from artifacts.s3_multipart import b64_sha256, copy_in_parts, is_precondition_failed, upload_in_parts
+from kiln.digests import CHUNK, parse_digest
+from kiln.errors import BlobUnknown, DigestMismatch, StorageUnavailable
+
+MiB = 1 << 20
+PART_SIZE = 8 * MiB
+COPY_LIMIT = 5 * 1024 * MiB  # the most one CopyObject may copy
+COPY_PART_SIZE = 512 * MiB
+_MISSING = {"NoSuchKey", "404", "NotFound"}
+
+
+def make_s3_client(endpoint_url: str | None = None, *, max_attempts: int = 4) -> Any:
+    """The client a store makes unless given one: botocore standard-mode retries, path-style
+    addressing for custom endpoints (MinIO, moto), credentials and region from the environment."""
+    config = Config(
+        retries={"mode": "standard", "max_attempts": max_attempts},
+        s3={"addressing_style": "path"} if endpoint_url else {},
+    )
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+
+
+@contextlib.contextmanager
+def s3_errors(action: str, digest: str | None = None) -> Iterator[None]:
+    """Translate botocore errors into domain errors (``from None``: no botocore above here)."""
+    try:
+        yield
+    except ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "")
+        if digest is not None and code in _MISSING:
+            raise BlobUnknown(f"blob {digest} is not in the store") from None
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        raise StorageUnavailable(f"cannot {action}: S3 answered {code or status}") from None
+    except FlexibleChecksumError:  # the bytes S3 sent do not match the checksum it stored
+        raise DigestMismatch(f"cannot {action}: S3's stored checksum does not match the object") from None
+    except BotoCoreError as e:
+        raise StorageUnavailable(f"cannot {action}: {e}") from None
+
+
+class S3BlobStore(BlobStore):
+    """Blobs as objects under ``s3://bucket/prefix`` (laid out as :mod:`artifacts.paths` draws).
+
+    ``part_size``, ``copy_limit`` and ``copy_part_size`` are class defaults that tests shrink.
+    One limit of S3: a HEAD on a missing bucket is a bare 404, so ``stat``/``exists`` there say
+    "no such blob"; writes and listings do report :class:`StorageUnavailable`."""
+
+    part_size = PART_SIZE
+    copy_limit = COPY_LIMIT
+    copy_part_size = COPY_PART_SIZE
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None, client: Any = None):
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._client = client if client is not None else make_s3_client(endpoint_url)
+
+    def __repr__(self) -> str:
+        return f"S3BlobStore({self.url!r})"
+
+    def _blob_key(self, digest: str) -> str:
+        return paths.under(self.prefix, paths.blob_path(digest))
+
+    # -- writing ---------------------------------------------------------------------------------
+    def put_stream(self, stream: BinaryIO, *, expected_digest: str | None = None) -> BlobInfo:
+        if existing := self._existing(expected_digest):
+            return existing
+        first = _read_full(stream, self.part_size)
+        second = _read_full(stream, self.part_size) if len(first) == self.part_size else b""
+        if not second:
+            return self._put_small(first, expected_digest)
+        parts = _parts((first, second), stream, self.part_size)
+        return self._put_staged(parts) if expected_digest is None else self._put_known(parts, expected_digest)
+
+    def _put_known(self, parts: Iterator[bytes], digest: str) -> BlobInfo:
+        """Multipart upload straight to the final key, completed only if the bytes match."""
+
+        def matches(actual: str) -> bool:
+            check_expected(digest, actual, self.url)
+            return True
+
+        with s3_errors(f"store {digest}"):
+            _, size, _ = upload_in_parts(
+                self._client, self.bucket, self._blob_key(digest), parts, matches, create_only=True
+            )
+        return BlobInfo(digest, size)
+
+    def _put_small(self, data: bytes, expected_digest: str | None) -> BlobInfo:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        check_expected(expected_digest, digest, self.url)
+        if expected_digest is None and (existing := self._existing(digest)):
+            return existing
+        with s3_errors(f"store {digest}"):
+            key, checksum = self._blob_key(digest), b64_sha256(data)
+            self._create(self._client.put_object, Key=key, Body=data, ChecksumSHA256=checksum)
+        return BlobInfo(digest, len(data))
+
+    def _put_staged(self, parts: Iterator[bytes]) -> BlobInfo:
+        """Multipart upload to a staging key, then (unless the blob exists) copy into place."""
+        staging = paths.under(self.prefix, paths.upload_path())
+        try:
+            with s3_errors("stage an upload"):
+                digest, size, completed = upload_in_parts(
+                    self._client, self.bucket, staging, parts, lambda d: not self.exists(d), create_only=False
+                )
+            if not completed:  # aborted: an equal blob is already committed
+                return self.stat(digest)
+            with s3_errors(f"commit {digest}"):
+                final = self._blob_key(digest)
+                if size <= self.copy_limit:
+                    # SHA256: S3 recomputes a whole-object checksum (equal to the digest) on the copy.
+                    source = {"Bucket": self.bucket, "Key": staging}
+                    self._create(self._client.copy_object, Key=final, CopySource=source, ChecksumAlgorithm="SHA256")
+                else:
+                    copy_in_parts(self._client, self.bucket, staging, final, size, self.copy_part_size)
+            return BlobInfo(digest, size)
+        finally:
+            with contextlib.suppress(ClientError, BotoCoreError):
+                self._client.delete_object(Bucket=self.bucket, Key=staging)
+
+    def _create(self, call: Any, **kwargs: Any) -> None:
+        """A conditional create (``If-None-Match: *``): 412, the key exists, is success."""
+        try:
+            call(Bucket=self.bucket, IfNoneMatch="*", **kwargs)
+        except ClientError as e:
+            if not is_precondition_failed(e):
+                raise
+
+    # -- reading ---------------------------------------------------------------------------------
+    def open_range(self, digest: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]:
+        check_range(offset, length)
+        key = self._blob_key(digest)
+        if length == 0:  # no Range header can ask for nothing
+            self.stat(digest)
+            return iter(())
+        ranged = {"Range": f"bytes={offset}-{'' if length is None else offset + length - 1}"}
+        with s3_errors(f"read {digest}", digest):
+            try:
+                answer = self._client.get_object(Bucket=self.bucket, Key=key, **(ranged if offset or length else {}))
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") != "InvalidRange":
+                    raise
+                return iter(())  # 416: the blob exists and the offset is at or past its end
+        return _body_chunks(answer["Body"], digest)
+
+    def stat(self, digest: str) -> BlobInfo:
+        key = self._blob_key(digest)
+        with s3_errors(f"stat {digest}", digest):
+            return BlobInfo(digest, self._client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+
+    def list_digests(self) -> Iterator[str]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=paths.under(self.prefix, paths.BLOBS_DIR) + "/"
+        )
+        with s3_errors("list blobs"):
+            for page in pages:
+                for item in page.get("Contents", []):
+                    if digest := paths.digest_of_blob_path(paths.relative_to(self.prefix, item["Key"])):
+                        yield digest
+
+    # -- other -----------------------------------------------------------------------------------
+    def delete(self, digest: str) -> None:
+        key = self._blob_key(digest)
+        with s3_errors(f"delete {digest}"):
+            self._client.delete_object(Bucket=self.bucket, Key=key)
+
+    def presigned_url(self, digest: str, expires_s: int = 300) -> str | None:
+        key = self._blob_key(parse_digest(digest))
+        with s3_errors(f"presign {digest}"):
+            return self._client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires_s
+            )
+
+
+def _read_full(stream: BinaryIO, size: int) -> bytes:
+    """Read ``size`` bytes, or fewer only at EOF (``read`` may return less on pipes and sockets);
+    multipart parts other than the last must be full."""
+    buf = bytearray()
+    while len(buf) < size and (chunk := stream.read(size - len(buf))):
+        buf += chunk
+    return bytes(buf)
+
+
+def _parts(head: tuple[bytes, ...], stream: BinaryIO, part_size: int) -> Iterator[bytes]:
+    yield from head
+    while part := _read_full(stream, part_size):
+        yield part
+
+
+def _body_chunks(body: Any, digest: str) -> Iterator[bytes]:
+    with contextlib.closing(body), s3_errors(f"read {digest}", digest):
+        yield from body.iter_chunks(CHUNK)

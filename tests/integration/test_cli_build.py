@@ -1,0 +1,164 @@
+"""The main job end to end through the real CLI process on the embedded defaults (SQLite, local store):
+real ModelOpt calibration, real AOTInductor compile, real validation of the compiled artifact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def kiln(*args: str, home: Path, check: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KILN_HOME": str(home), "KILN_CHECKPOINT_ROOTS": f"{REPO}{os.pathsep}{home.parent}"}
+    proc = subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kiln {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def last_json(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def stages(out: dict) -> dict[str, str]:
+    return {s["name"]: s["status"] for s in out["stages"]}
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e") / "kiln"
+
+
+@pytest.fixture(scope="module")
+def fp8(home) -> dict:
+    proc = kiln("build", "examples/tiny-llama", "--precision", "fp8", "--profile", "latency", "--json",
+                home=home, check=True)
+    return last_json(proc)
+
+
+def test_fp8_build_runs_every_stage_and_validates(fp8):
+    assert fp8["status"] == "succeeded" and fp8["cache_hit"] is False
+    assert fp8["digest"].startswith("sha256:") and len(fp8["digest"]) == 71
+    assert stages(fp8) == {"resolve": "ran", "quantize": "ran", "compile": "ran", "validate": "ran", "publish": "ran"}
+    m = fp8["validation"]["metrics"]
+    assert fp8["validation"]["passed"] is True
+    # FP8 W8A8 on this model costs well under 3 % perplexity (DESIGN.md measured +0.44 %)
+    assert 0 <= m["ppl_increase_pct"] < 3
+    assert m["reference_perplexity"] < 100  # the shipped model is trained: far below uniform (2048)
+    assert m["top1_agreement"] > 0.85
+    assert len(m["throughput"]) >= 3 and all(p["tokens_per_s"] > 0 for p in m["throughput"])
+
+
+def test_identical_rebuild_is_a_cache_hit_with_no_stage_run(home, fp8):
+    proc = kiln("build", "examples/tiny-llama", "--precision", "fp8", "--profile", "latency", "--json",
+                home=home, check=True)
+    again = last_json(proc)
+    assert again["cache_hit"] is True
+    assert again["digest"] == fp8["digest"] and again["build_key"] == fp8["build_key"]
+    assert set(stages(again).values()) == {"cached"}
+    assert "cached" in proc.stderr
+
+
+def test_profile_only_change_reuses_the_quantized_checkpoint(home, fp8):
+    out = last_json(kiln("build", "examples/tiny-llama", "--precision", "fp8", "--profile", "balanced", "--json",
+                         home=home, check=True))
+    assert stages(out)["quantize"] == "cached"
+    assert stages(out)["compile"] == "ran" and stages(out)["validate"] == "ran"
+    assert out["digest"] != fp8["digest"] and out["build_key"] != fp8["build_key"]
+    assert out["artifact"]["tag"] == "fp8-cpu-balanced"
+    batches = {p["batch_size"] for p in out["validation"]["metrics"]["throughput"]}
+    assert batches == {1, 2, 4, 8}
+
+
+def test_nvfp4_build_validates_from_the_exported_tensors(home):
+    out = last_json(kiln("build", "examples/tiny-llama", "--precision", "nvfp4", "--json", home=home, check=True))
+    assert out["status"] == "succeeded"
+    m = out["validation"]["metrics"]
+    # NVFP4 W4A4 costs more than FP8 but stays inside its gate (DESIGN.md measured +6.2 %)
+    assert 1 < m["ppl_increase_pct"] < 15
+
+
+def test_checkpoint_backend_and_impossible_gate(home, fp8):
+    ok = last_json(kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--json", home=home, check=True))
+    assert ok["status"] == "succeeded" and stages(ok)["quantize"] == "cached"
+    proc = kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--gate", "min_top1_agreement=1.01",
+                "--json", home=home)
+    assert proc.returncode == 1, proc.stderr
+    out = last_json(proc)
+    assert out["status"] == "failed" and out["artifact"]["status"] == "rejected"
+    failed = [g["name"] for g in out["validation"]["gates"] if not g["passed"]]
+    assert failed == ["min_top1_agreement"]
+    assert "failed validation" in proc.stderr
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--precision", "int8"], "precision"),
+    (["--target", "a100"], "target"),
+    (["--backend", "tensorrt"], "backend"),
+    (["--profile", "huge"], "profile"),
+    (["--max-input-len", "300", "--max-seq-len", "200"], "profile.max_seq_len"),
+    (["--max-batch-size", "0"], "profile.max_batch_size"),
+    (["--gate", "speed=3"], "gates.speed"),
+    (["--backend", "trtllm-engine", "--target", "h100", "--precision", "nvfp4"], "target"),
+])
+def test_bad_spec_exits_2_naming_the_field_and_writes_nothing(tmp_path, args, field):
+    home = tmp_path / "fresh"
+    proc = kiln("build", "examples/tiny-llama", *args, home=home)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kiln: error: {field}:"), proc.stderr
+    assert not home.exists()
+
+
+def test_checkpoint_outside_roots_and_missing_dir_exit_2(tmp_path):
+    home = tmp_path / "fresh"
+    for ref in ("/etc", "examples/no-such-model", "examples/../../etc"):
+        proc = kiln("build", ref, home=home)
+        assert proc.returncode == 2 and "checkpoint:" in proc.stderr, proc.stderr
+    assert not home.exists()
+
+
+def test_pull_verifies_digests_and_refuses_a_corrupted_blob(home, fp8, tmp_path):
+    dest = tmp_path / "engine"
+    kiln("pull", f"tiny-llama@{fp8['digest']}", str(dest), home=home, check=True)
+    meta = json.loads((dest / "engine.json").read_text())
+    assert meta["precision"] == "fp8" and (dest / "model.pt2").stat().st_size > 0
+
+    import torch
+
+    runner = torch._inductor.aoti_load_package(str(dest / "model.pt2"))
+    logits = runner(torch.tensor([[1, 2, 3, 4, 5]]))
+    assert tuple(logits.shape) == (1, 5, 2048) and torch.isfinite(logits).all()
+
+    shown = json.loads(kiln("artifacts", "show", fp8["digest"], home=home, check=True).stdout)
+    layer_blobs = [p for p in (home / "store").rglob("*") if p.is_file() and p.stat().st_size > 1_000_000]
+    assert layer_blobs, shown
+    for blob in layer_blobs:  # flip one byte in the middle of each large blob (the engine layer)
+        blob.chmod(0o644)
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))
+    bad = tmp_path / "bad"
+    proc = kiln("pull", fp8["digest"], str(bad), home=home)
+    assert proc.returncode == 3 and "corrupted" in proc.stderr, proc.stderr
+    assert not bad.exists()
+
+
+def test_dry_run_prints_the_plan_and_does_no_work(tmp_path):
+    home = tmp_path / "dry"
+    proc = kiln("build", "examples/tiny-llama", "--backend", "trtllm-engine", "--target", "h100", "--profile",
+                "throughput", "--dry-run", "--json", home=home, check=True)
+    plan = last_json(proc)
+    argv = plan["compile"]["commands"][0]
+    assert argv[0] == "trtllm-build" and argv[argv.index("--max_batch_size") + 1] == "32"
+    assert plan["environment"]["ready"] is False and "TensorRT-LLM is not installed" in plan["environment"]["reason"]
+    assert not (home / "cache" / "quantize").exists() and not (home / "store").exists()

@@ -1,0 +1,120 @@
+"""Fixtures for the artifacts tests: every blob store backend behind one ``backend`` fixture.
+
+S3 runs against moto's server over real HTTP on 127.0.0.1 (one server per session, one bucket
+per test, state reset afterwards), so the tests exercise botocore's wire path, not a mock.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from artifacts import paths
+from artifacts.interfaces import BlobStore
+from artifacts.local import LocalBlobStore
+
+WRITES = {"PutObject", "CopyObject", "CreateMultipartUpload", "UploadPart", "UploadPartCopy", "CompleteMultipartUpload"}
+
+
+@dataclass
+class Backend:
+    """A store plus the backdoors a conformance test needs to check what the store did."""
+
+    name: str
+    store: BlobStore
+    corrupt: Callable[[str, bytes], None]  # overwrite a committed blob's bytes behind the store's back
+    leftovers: Callable[[], list[str]]  # staging entries (temp files, keys, open multipart uploads)
+    fingerprint: Callable[[str], Any]  # changes whenever the committed blob is written again
+    calls: list[tuple[str, str | None]] = field(default_factory=list)  # S3 only: (operation, key)
+    client: Any = None  # S3 only: the boto3 client the store uses
+
+    def writes(self) -> Counter[str]:
+        return Counter(op for op, _ in self.calls if op in WRITES)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in {
+            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }.items():  # fmt: skip
+            mp.setenv(name, value)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+
+
+def local_backend(root: Path) -> Backend:
+    store = LocalBlobStore(root)
+
+    def corrupt(digest: str, data: bytes) -> None:
+        path = root / paths.blob_path(digest)
+        path.chmod(0o644)
+        path.write_bytes(data)
+
+    def fingerprint(digest: str) -> tuple[int, int]:
+        st = (root / paths.blob_path(digest)).stat()
+        return st.st_ino, st.st_mtime_ns
+
+    return Backend("local", store, corrupt, lambda: os.listdir(root / paths.UPLOADS_DIR), fingerprint)
+
+
+def s3_backend(endpoint: str) -> Backend:
+    from artifacts.s3 import S3BlobStore, make_s3_client
+
+    client = make_s3_client(endpoint)
+    bucket = f"kiln-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    store = S3BlobStore(bucket, "engines/test", client=client)
+    backend = Backend("s3", store, lambda d, b: None, lambda: [], lambda d: None, client=client)
+
+    def record(params: dict[str, Any], model: Any, **_: Any) -> None:
+        backend.calls.append((model.name, params.get("Key")))
+
+    def corrupt(digest: str, data: bytes) -> None:
+        client.put_object(Bucket=bucket, Key=paths.under(store.prefix, paths.blob_path(digest)), Body=data)
+
+    def leftovers() -> list[str]:
+        staged = client.list_objects_v2(Bucket=bucket, Prefix=paths.under(store.prefix, paths.UPLOADS_DIR))
+        uploads = client.list_multipart_uploads(Bucket=bucket)
+        return [o["Key"] for o in staged.get("Contents", [])] + [u["Key"] for u in uploads.get("Uploads", [])]
+
+    def fingerprint(digest: str) -> int:
+        key = paths.under(store.prefix, paths.blob_path(digest))
+        return sum(1 for op, k in backend.calls if op in WRITES and k == key)
+
+    client.meta.events.register("before-parameter-build.s3", record)
+    backend.corrupt, backend.leftovers, backend.fingerprint = corrupt, leftovers, fingerprint
+    return backend
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    if request.param == "local":
+        yield local_backend(tmp_path / "store")
+        return
+    endpoint = request.getfixturevalue("s3_endpoint")
+    yield s3_backend(endpoint)
+    # Drop every bucket so that large test blobs do not pile up in the server's memory.
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
+
+
+@pytest.fixture
+def store(backend: Backend) -> BlobStore:
+    return backend.store
