@@ -161,4 +161,5 @@ def test_dry_run_prints_the_plan_and_does_no_work(tmp_path):
     argv = plan["compile"]["commands"][0]
     assert argv[0] == "trtllm-build" and argv[argv.index("--max_batch_size") + 1] == "32"
     assert plan["environment"]["ready"] is False and "TensorRT-LLM is not installed" in plan["environment"]["reason"]
-    assert not (home / "cache" / "quantize").exists() and not (home / "store").exists()
+    assert not (home / "cache" / "quantize").exists() and not (home / "cache" / "compile").exists()
+    assert not [p for p in (home / "store").rglob("*") if p.is_file()]
