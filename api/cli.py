@@ -125,6 +125,8 @@ def _print_summary(out: dict) -> None:
     verdict = "PASSED" if v.get("passed") else "FAILED"
     if out["cache_hit"]:
         click.echo("identical build found: no stage ran (cache hit)")
+    if out.get("status") in ("cancelled",) or (out.get("error") and not m):
+        click.echo(f"build {out['status']}: {(out.get('error') or {}).get('message', out.get('reason'))}")
     if m:
         peak = max((p["tokens_per_s"] for p in m.get("throughput", [])), default=0.0)
         click.echo(f"validation {verdict}: perplexity {m['perplexity']:.3f} vs reference {m['reference_perplexity']:.3f} "
@@ -134,7 +136,8 @@ def _print_summary(out: dict) -> None:
             op = "≤" if g["name"].startswith("max_") else "≥"
             click.echo(f"  gate {g['name']:<22} {g['value']:>12.4f} {op} {g['threshold']:<10g} {'pass' if g['passed'] else 'FAIL'}")
     a = out.get("artifact") or {}
-    click.echo(f"engine {out['digest']}  {a.get('repository')}:{a.get('tag')}  [{a.get('status')}]")
+    if out.get("digest"):
+        click.echo(f"engine {out['digest']}  {a.get('repository')}:{a.get('tag')}  [{a.get('status')}]")
 
 
 @main.command()
@@ -159,13 +162,23 @@ def _print_summary(out: dict) -> None:
 @click.option("--gate", multiple=True, help="override a validation gate: name=value (repeatable)")
 @click.option("--dry-run", is_flag=True, help="print the plan (keys, cache state, exact commands) and do no work")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
-def build(checkpoint: str, dry_run: bool, as_json: bool, **options) -> None:
+@click.option("--server", help="submit to a remote Kiln (http://host:8000) instead of building here")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="with --server: follow the build to its end")
+def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, **options) -> None:
     """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://)."""
     from builder.pipeline import Builder
     from kiln.errors import ValidationFailed
     from kiln.settings import get_settings
     from kiln.spec import parse_spec
 
+    if server:
+        from api.remote import exit_for, remote_build
+
+        out = remote_build(server, spec_from_options(checkpoint, options), wait=wait, as_json=as_json,
+                           progress=Progress(quiet=False), summary=_print_summary)
+        if wait and (err := exit_for(out)) is not None:
+            raise err
+        return
     spec = parse_spec(spec_from_options(checkpoint, options), get_settings().roots)  # before any work
     settings, store, sessions = _context()
     builder = Builder(settings, store, sessions, on_event=Progress(quiet=False))
@@ -268,5 +281,13 @@ def db_downgrade(revision: str) -> None:
     click.echo(f"database at {revision}")
 
 
-if __name__ == "__main__":
-    main()
+def _register_commands() -> None:
+    import api.cli_service  # noqa: F401  (adds api, worker, serve to the group)
+
+
+_register_commands()
+
+if __name__ == "__main__":  # python -m api.cli: run the importable module's group, where all commands live
+    from api.cli import main as _main
+
+    _main()

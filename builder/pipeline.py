@@ -24,7 +24,7 @@ from builder.publish import publish, tag_for
 from builder.resolve import ResolvedCheckpoint, read_model_config, resolve_checkpoint
 from kiln.datasets import load_text
 from kiln.errors import BuildCancelled, KilnError, SpecError
-from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key
+from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, request_key
 from kiln.models import Artifact
 from kiln.settings import Settings
 from kiln.spec import BuildSpec
@@ -77,6 +77,7 @@ class Prepared:
     quantize_key: str
     compile_key: str
     build_key: str
+    request_key: str
 
 
 def check_model_fits(spec: BuildSpec, config: dict) -> None:
@@ -137,7 +138,8 @@ class Builder:
         data = {"calibration": calib_digest, "evaluation": eval_digest}
         qkey = quantize_key(resolved.digest, spec, toolchain, calib_digest)
         prepared = Prepared(spec, resolved, config, toolchain, gates, calib_text, eval_text, data, qkey,
-                            compile_key(qkey, spec, toolchain), build_key(resolved.digest, spec, toolchain, gates, data))
+                            compile_key(qkey, spec, toolchain), build_key(resolved.digest, spec, toolchain, gates, data),
+                            request_key(resolved.digest, spec, gates, data))
         record = StageRecord("resolve", "cached" if was_cached else "ran", time.perf_counter() - t,
                              {"digest": resolved.digest, "revision": resolved.revision})
         self._finished(record)
@@ -196,8 +198,8 @@ class Builder:
             "stages": [asdict(s) for s in stages],
         }
         row, _ = self._stage("publish", lambda: (publish(
-            self.store, self.sessions, cdir, spec=spec, build_key=p.build_key, provenance=provenance,
-            validation=report), {}), stages)
+            self.store, self.sessions, cdir, spec=spec, build_key=p.build_key, request_key=p.request_key,
+            provenance=provenance, validation=report), {}), stages)
         return self._outcome(p.build_key, row, stages, cache_hit=False)
 
     # -- helpers ---------------------------------------------------------------------------------

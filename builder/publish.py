@@ -44,7 +44,7 @@ def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: b
 
 
 def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path, *, spec: BuildSpec,
-            build_key: str, provenance: dict, validation: dict) -> Artifact:
+            build_key: str, provenance: dict, validation: dict, request_key: str | None = None) -> Artifact:
     passed = bool(validation.get("passed"))
     annotations = annotations_for(spec, build_key, provenance, passed)
     labels = {k: v for k, v in annotations.items() if k.startswith(ANNOTATION_PREFIX)}
@@ -54,7 +54,7 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
                   artifact_type=PROVENANCE_TYPE, payload=payload, payload_media_type=PROVENANCE_TYPE,
                   annotations={f"{ANNOTATION_PREFIX}.build-key": build_key})
     row = Artifact(
-        digest=image.digest, build_key=build_key, repository=spec.model_name, tag=tag_for(spec),
+        digest=image.digest, build_key=build_key, request_key=request_key, repository=spec.model_name, tag=tag_for(spec),
         status="fresh" if passed else "rejected", precision=spec.precision, target=spec.target,
         profile=spec.batch_profile.name, backend=spec.backend, checkpoint_ref=spec.checkpoint,
         checkpoint_digest=provenance["checkpoint"]["digest"], checkpoint_revision=provenance["checkpoint"]["revision"],

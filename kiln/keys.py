@@ -45,3 +45,12 @@ def build_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str]
         "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest, "spec": fields,
         "toolchain": toolchain, "gates": gates, "data": data,
     })
+
+
+def request_key(checkpoint_digest: str, spec: BuildSpec, gates: dict[str, float], data: dict[str, str]) -> str:
+    """The BuildKey without the toolchain: what the service can compute before it knows which worker builds.
+    Identical active requests share it (one build); the worker then computes the full BuildKey."""
+    return sha256_json({
+        "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest, "spec": spec.key_fields(),
+        "gates": gates, "data": data,
+    })

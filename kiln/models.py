@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, DateTime, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 DIGEST = String(71)  # "sha256:" + 64 hex
@@ -27,6 +27,7 @@ class Artifact(Base):
 
     digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
     build_key: Mapped[str] = mapped_column(DIGEST, unique=True, index=True)
+    request_key: Mapped[str | None] = mapped_column(DIGEST, index=True, nullable=True)
     repository: Mapped[str] = mapped_column(String(255), index=True)
     tag: Mapped[str] = mapped_column(String(128))
     status: Mapped[str] = mapped_column(String(16), index=True)
@@ -52,3 +53,57 @@ class Artifact(Base):
             "size": self.size, "validation": {"passed": v.get("passed")},
             "created_at": self.created_at.isoformat() if self.created_at else None,
         }
+
+
+BUILD_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class Build(Base):
+    """One build request. ``active_key`` equals ``request_key`` while the build is queued or running and is
+    NULL afterwards: its unique constraint is what makes concurrent identical submissions one build."""
+
+    __tablename__ = "builds"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    request_key: Mapped[str] = mapped_column(DIGEST, index=True)
+    active_key: Mapped[str | None] = mapped_column(DIGEST, unique=True, nullable=True)
+    build_key: Mapped[str | None] = mapped_column(DIGEST, nullable=True)
+    spec: Mapped[dict] = mapped_column(JSON)
+    queue: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    stage: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    stages: Mapped[list] = mapped_column(JSON, default=list)
+    digest: Mapped[str | None] = mapped_column(DIGEST, nullable=True)
+    error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    worker: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class BuildEvent(Base):
+    """Stage changes and log lines of a build, in order (``id``), for server-sent events."""
+
+    __tablename__ = "build_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    build_id: Mapped[str] = mapped_column(ForeignKey("builds.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    data: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Worker(Base):
+    """A worker process and what it can build; alive while its heartbeat is recent."""
+
+    __tablename__ = "workers"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    queues: Mapped[list] = mapped_column(JSON)
+    capabilities: Mapped[dict] = mapped_column(JSON)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)

@@ -247,4 +247,7 @@ def parse_spec(data: dict[str, Any], roots: list[Path]) -> BuildSpec:
     if isinstance(d["profile"], dict):
         d["profile"] = BatchProfile(**d["profile"])
     d["model_name"] = d.get("model_name") or default_model_name(d["checkpoint"])
+    ref = d["checkpoint"]
+    if not ref.startswith(("hf://", "s3://")):  # a local path means the same folder to every process
+        d["checkpoint"] = str(Path(urlparse(ref).path if ref.startswith("file://") else ref).expanduser().resolve())
     return BuildSpec.model_validate(d)

@@ -95,7 +95,7 @@ def test_old_gpus_are_refused_with_their_sm(name, sm):
     assert "sm89" in err.fix
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: kiln/spec.py:112 treats every unknown smNN as an old GPU, so a newer "
+@pytest.mark.xfail(strict=True, reason="BUG: kiln/spec.py:116 (normalize_target) treats every unknown smNN as an old GPU, so a newer "
                    "unsupported arch (sm103, B300) is told 'FP8 needs sm89+' as if it were too old")
 def test_newer_unsupported_sm_is_not_called_too_old():
     err = refuse(target="sm103")
@@ -198,7 +198,7 @@ def _limit_cases():
     cases = []
     for key in PROFILE_FIELDS:
         lo, hi = LIMITS[key]
-        for bad in {0, -1, lo - 1, hi + 1, 1 << 40} - {v for v in (lo, hi)}:
+        for bad in sorted({0, -1, lo - 1, hi + 1, 1 << 40}):
             if lo <= bad <= hi:
                 continue
             cases.append(pytest.param(f"profile.{key}", {"profile": "PROF", key: bad}, id=f"{key}={bad}"))
@@ -300,8 +300,21 @@ def test_local_checkpoint_inside_roots_is_accepted(tmp_path, form):
     make_ckpt(root / "ckpt")
     ref = {"plain": f"{root}/ckpt", "file": f"file://{root}/ckpt", "dotdot-inside": f"{root}/a/../ckpt"}[form]
     spec = parse_spec(spec_data(checkpoint=ref), [root])
-    assert spec.checkpoint == ref
+    assert spec.checkpoint == str(root / "ckpt")  # normalized: the same folder to every process
     assert spec.model_name == "ckpt"
+
+
+def test_relative_local_checkpoint_is_made_absolute(tmp_path, monkeypatch):
+    root = tmp_path.resolve()
+    make_ckpt(root / "models" / "tiny")
+    monkeypatch.chdir(root / "models")
+    spec = parse_spec(spec_data(checkpoint="tiny"), [root])
+    assert spec.checkpoint == str(root / "models" / "tiny")
+
+
+def test_remote_references_are_kept_verbatim():
+    for ref in ("hf://Org/Name@main", "s3://bucket/a/../b"):
+        assert parse_spec(spec_data(checkpoint=ref), ROOTS).checkpoint == ref
 
 
 def test_local_directory_without_config_json_is_refused(tmp_path):
@@ -385,7 +398,7 @@ def test_profile_type_error_mentions_the_profile_field():
     assert err.field.startswith("profile") and err.field.endswith("max_batch_size")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: kiln/spec.py:236 reports pydantic's union-branch loc, so a bad profile "
+@pytest.mark.xfail(strict=True, reason="BUG: kiln/spec.py:236 (parse_spec) reports pydantic's union-branch loc, so a bad profile "
                    "integer is field 'profile.BatchProfile.max_batch_size' (plus a spurious 'profile.str' detail), "
                    "not the dotted path 'profile.max_batch_size' the other profile rules use")
 def test_profile_type_error_uses_the_dotted_field_path():
@@ -411,7 +424,7 @@ def test_details_hold_every_type_error():
     assert {d["field"] for d in err.details} == {"tp_size", "calibration.samples"}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: kiln/spec.py:175 returns early on an unknown profile name, so the "
+@pytest.mark.xfail(strict=True, reason="BUG: kiln/spec.py:182 (_rules) returns early on an unknown profile name, so the "
                    "violations checked after it (tp_size, target rules, gates) are missing from .details")
 def test_unknown_profile_does_not_hide_later_violations():
     err = refuse(profile="turbo", tp_size=3, gates={"nope": 1.0})
@@ -454,3 +467,14 @@ def test_build_spec_direct_construction_leaves_profile_unexpanded():
     # parse_spec is the only entry that applies the rules; BuildSpec alone only checks types.
     raw = BuildSpec.model_validate(spec_data(profile="latency"))
     assert raw.profile == "latency"
+
+
+@pytest.mark.parametrize("data", [
+    {"target": "h100", "backend": "trtllm-engine", "profile": "balanced", "gates": {"max_mean_kl": 0.1}},
+    {"checkpoint": "hf://Org/X@main", "precision": "nvfp4", "kv_cache": "fp8", "backend": "checkpoint",
+     "profile": {"max_batch_size": 2, "max_input_len": 3, "max_seq_len": 4, "max_num_tokens": 5}},
+])
+def test_parsed_spec_round_trips_through_json(data):
+    # the service stores the spec as JSON and the worker parses it again: same spec, same rules pass
+    spec = parse_spec(spec_data(**data), ROOTS)
+    assert parse_spec(spec.model_dump(mode="json"), ROOTS) == spec

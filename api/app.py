@@ -1,0 +1,77 @@
+"""The FastAPI application: routers, and the one place where domain errors become HTTP responses."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kiln
+from api.errors import http_status
+from api.routes import artifacts, builds, health, workers
+from kiln.errors import KilnError
+from kiln.settings import Settings, get_settings
+from kiln.spec import BuildSpec
+
+
+def _broker_check(url: str):
+    def check() -> str:
+        if url.startswith("sqla+"):
+            return "ok"  # the SQLite broker is a file next to the database
+        try:
+            from kombu import Connection
+
+            with Connection(url, connect_timeout=2) as conn:
+                conn.ensure_connection(max_retries=1)
+            return "ok"
+        except Exception as exc:
+            return f"unreachable: {type(exc).__name__}"
+    return check
+
+
+def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
+    from artifacts.factory import open_store
+    from kiln import db
+    from workers.submit import celery_enqueue
+
+    settings = settings or get_settings()
+    app = FastAPI(title="Kiln", version=kiln.__version__,
+                  description="CI for inference engines: build, validate and serve engines by digest.")
+    app.state.settings = settings
+    app.state.sessions = db.session_factory(settings.db_url)
+    app.state.store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
+    app.state.enqueue = enqueue or celery_enqueue
+    app.state.broker_check = _broker_check(settings.broker)
+    for r in (health.router, builds.router, artifacts.router, workers.router):
+        app.include_router(r)
+
+    @app.exception_handler(KilnError)
+    async def kiln_error(_: Request, exc: KilnError):
+        return JSONResponse({"error": exc.to_dict()}, status_code=http_status(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError):
+        errs = [{"field": ".".join(str(p) for p in e["loc"] if p not in ("query", "path", "body")) or "request",
+                 "message": e["msg"]} for e in exc.errors()]
+        first = errs[0] if errs else {"field": "request", "message": "invalid request"}
+        return JSONResponse({"error": {"code": "invalid_request", **first, "fix": "see GET /openapi.json",
+                                       "errors": errs}}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        return JSONResponse({"error": {"code": "http_error", "message": str(exc.detail)}}, status_code=exc.status_code)
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            spec = BuildSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            comps.update(spec.pop("$defs", {}))
+            comps["BuildSpec"] = spec
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app

@@ -1,0 +1,134 @@
+"""``kiln api``, ``kiln worker``, ``kiln serve``: the service's processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import click
+
+from api.cli import main
+from kiln.errors import SpecError
+
+
+def _upgrade_embedded_db() -> None:
+    from kiln import db
+    from kiln.settings import get_settings
+
+    url = get_settings().db_url
+    if url.startswith("sqlite"):
+        db.upgrade(url)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+def api(host: str, port: int) -> None:
+    """Run the HTTP API (uvicorn)."""
+    import uvicorn
+
+    from api.app import create_app
+
+    _upgrade_embedded_db()
+    uvicorn.run(create_app(), host=host, port=port, log_level="info")
+
+
+def _heartbeat_loop(name: str, stop: threading.Event) -> None:
+    from kiln import db
+    from kiln.settings import get_settings
+    from workers.registry import HEARTBEAT_S, heartbeat
+
+    sessions = db.session_factory(get_settings().db_url)
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            with sessions() as s:
+                heartbeat(s, name)
+        except Exception as exc:  # the database may be briefly away; the next beat retries
+            click.echo(f"kiln worker: heartbeat failed: {exc}", err=True)
+
+
+def requeue_waiting(queues: list[str]) -> int:
+    """Re-enqueue queued builds of these queues whose messages may be lost (e.g. the broker was emptied).
+    Duplicate messages are harmless: a build is claimed atomically by exactly one worker."""
+    from sqlalchemy import select
+
+    from kiln import db
+    from kiln.models import Build
+    from kiln.settings import get_settings
+    from workers.submit import celery_enqueue
+
+    sessions = db.session_factory(get_settings().db_url)
+    with sessions() as s:
+        ids = [(b.id, b.queue) for b in s.scalars(select(Build).where(Build.status == "queued", Build.queue.in_(queues)))]
+    for build_id, queue in ids:
+        celery_enqueue(build_id, queue)
+    return len(ids)
+
+
+@main.command()
+@click.option("--queues", help="serve only these queues (comma separated); default: all this machine can build")
+@click.option("--concurrency", default=1, show_default=True, type=int, help="builds at once")
+@click.option("--name", help="worker name (default: host-pid)")
+def worker(queues: str | None, concurrency: int, name: str | None) -> None:
+    """Run a Celery build worker on the queues this machine can serve."""
+    from kiln import db
+    from kiln.settings import get_settings
+    from workers.capabilities import detect
+    from workers.registry import register
+
+    caps = detect()
+    chosen = caps["queues"]
+    if queues:
+        chosen = [q.strip() for q in queues.split(",") if q.strip()]
+        unknown = [q for q in chosen if q not in caps["queues"]]
+        if unknown:
+            raise SpecError(f"this machine cannot build for {', '.join(unknown)}", field="queues",
+                            fix=f"choose from: {', '.join(caps['queues'])}")
+        caps = {**caps, "queues": chosen, "toolchains": {q: caps["toolchains"][q] for q in chosen}}
+    _upgrade_embedded_db()
+    name = name or f"{socket.gethostname()}-{os.getpid()}"
+    os.environ["KILN_WORKER_NAME"] = name
+    with db.session_factory(get_settings().db_url)() as s:
+        register(s, name, caps)
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat_loop, args=(name, stop), daemon=True).start()
+    click.echo(f"kiln worker {name}: queues {', '.join(chosen)}", err=True)
+    from workers.celery_app import app
+
+    requeued = requeue_waiting(chosen)
+    if requeued:
+        click.echo(f"kiln worker {name}: re-enqueued {requeued} waiting build(s)", err=True)
+    try:
+        app.worker_main(["worker", "-Q", ",".join(chosen), "-c", str(concurrency), "-n", f"{name}@%h",
+                         "-l", "INFO", "-P", "prefork", "--without-gossip", "--without-mingle"])
+    finally:
+        stop.set()
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+def serve(host: str, port: int) -> None:
+    """The embedded default: the API and one worker together (SQLite, SQLite broker, local store; no servers)."""
+    _upgrade_embedded_db()
+    child = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], env=os.environ.copy())
+    try:
+        time.sleep(0.5)
+        if child.poll() is not None:
+            raise click.ClickException("the worker did not start")
+        import uvicorn
+
+        from api.app import create_app
+
+        uvicorn.run(create_app(), host=host, port=port, log_level="info")
+    finally:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()

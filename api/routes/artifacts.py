@@ -1,0 +1,39 @@
+"""/v1/artifacts: published engines and their provenance."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query
+from sqlalchemy import select
+
+from api.deps import SessionDep
+from api.schemas import artifact_read
+from kiln.digests import parse_digest
+from kiln.errors import ArtifactUnknown
+from kiln.models import Artifact
+
+router = APIRouter(prefix="/v1/artifacts", tags=["artifacts"])
+
+
+@router.get("")
+def list_artifacts(session: SessionDep, model: str | None = Query(None, max_length=255),
+                   status: str | None = Query(None, pattern="^(fresh|stale|revoked|rejected)$"),
+                   precision: str | None = Query(None, max_length=16), target: str | None = Query(None, max_length=16),
+                   backend: str | None = Query(None, max_length=32), limit: int = Query(50, ge=1, le=500),
+                   offset: int = Query(0, ge=0, le=1_000_000)):
+    """Engines, newest first, filtered by model, status, precision, target and backend."""
+    q = select(Artifact)
+    for column, value in ((Artifact.repository, model), (Artifact.status, status), (Artifact.precision, precision),
+                          (Artifact.target, target), (Artifact.backend, backend)):
+        if value is not None:
+            q = q.where(column == value)
+    rows = list(session.scalars(q.order_by(Artifact.created_at.desc()).offset(offset).limit(limit)))
+    return {"artifacts": [a.summary() for a in rows], "limit": limit, "offset": offset}
+
+
+@router.get("/{digest}")
+def get_artifact(digest: str, session: SessionDep):
+    """One engine: state, provenance and validation report."""
+    row = session.get(Artifact, parse_digest(digest))
+    if row is None:
+        raise ArtifactUnknown(f"no engine {digest}", field="digest", fix="list engines with GET /v1/artifacts")
+    return artifact_read(row)

@@ -1,0 +1,159 @@
+"""/v1/builds: submit (one spec or a matrix), list, show, follow (server-sent events), cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy import func, select
+
+from api.deps import SessionDep, SessionsDep, SettingsDep
+from api.schemas import artifact_answer, build_read
+from kiln.errors import ArtifactUnknown, KilnError, SpecError
+from kiln.models import TERMINAL, Build, BuildEvent
+from kiln.spec import BuildSpec, parse_spec
+from workers.registry import waiting_reason
+from workers.submit import submit
+
+router = APIRouter(prefix="/v1/builds", tags=["builds"])
+MAX_MATRIX = 64
+
+SPEC_BODY = {"oneOf": [{"$ref": "#/components/schemas/BuildSpec"},
+                       {"type": "object", "required": ["matrix"], "additionalProperties": False,
+                        "properties": {"matrix": {"type": "array", "minItems": 1, "maxItems": MAX_MATRIX,
+                                                  "items": {"$ref": "#/components/schemas/BuildSpec"}}}}]}
+
+
+class BuildNotFound(ArtifactUnknown):
+    code = "build_unknown"
+
+
+def _specs(body: Any, roots) -> list[BuildSpec]:
+    if not isinstance(body, dict):
+        raise SpecError("the body must be a JSON object", field="body", fix="send a BuildSpec or {\"matrix\": [...]}")
+    if "matrix" in body:
+        matrix = body["matrix"]
+        if set(body) != {"matrix"} or not isinstance(matrix, list) or not 1 <= len(matrix) <= MAX_MATRIX:
+            raise SpecError("matrix must be a list of 1 to 64 build specs and nothing else", field="matrix",
+                            fix="send {\"matrix\": [spec, ...]}")
+        specs = []
+        for i, item in enumerate(matrix):
+            try:
+                specs.append(parse_spec(item if isinstance(item, dict) else {"checkpoint": item}, roots))
+            except SpecError as exc:  # name the entry: matrix.3.precision
+                raise SpecError(exc.message, field=f"matrix.{i}.{exc.field}", fix=exc.fix,
+                                details=[{**d, "field": f"matrix.{i}.{d['field']}"} for d in exc.details]) from None
+        return specs
+    return [parse_spec(body, roots)]
+
+
+@router.post("", status_code=202, openapi_extra={"requestBody": {"required": True, "content": {
+    "application/json": {"schema": SPEC_BODY}}}}, responses={200: {"description": "already built or building"},
+                                                             202: {"description": "queued"}})
+def create_builds(request: Request, settings: SettingsDep, sessions: SessionsDep, body: Any = Body(None)):
+    """Submit a build spec, or {"matrix": [specs]}."""
+    specs = _specs(body, settings.roots)
+    answers, created = [], False
+    for spec in specs:
+        result = submit(settings, sessions, spec, request.app.state.enqueue)
+        created |= result.outcome == "created"
+        if result.outcome == "existing-artifact":
+            answers.append(artifact_answer(result.artifact, result.build))
+        else:
+            answers.append(build_read(result.build))
+    payload = {"builds": answers} if "matrix" in body else answers[0]
+    return JSONResponse(payload, status_code=202 if created else 200)
+
+
+@router.get("")
+def list_builds(session: SessionDep, status: str | None = Query(None, pattern="^(queued|running|succeeded|failed|cancelled)$"),
+                model: str | None = Query(None, max_length=255), limit: int = Query(50, ge=1, le=500),
+                offset: int = Query(0, ge=0, le=1_000_000)):
+    """Builds, newest first, filtered by status and model name."""
+    q = select(Build)
+    if status:
+        q = q.where(Build.status == status)
+    rows = [b for b in session.scalars(q.order_by(Build.created_at.desc()))]
+    if model:
+        rows = [b for b in rows if (b.spec or {}).get("model_name") == model]
+    total = len(rows)
+    return {"builds": [build_read(b) for b in rows[offset: offset + limit]], "total": total, "limit": limit,
+            "offset": offset}
+
+
+def _get(session, build_id: str) -> Build:
+    row = session.get(Build, build_id) if len(build_id) <= 32 else None
+    if row is None:
+        raise BuildNotFound(f"no build {build_id!r}", field="id", fix="list builds with GET /v1/builds")
+    return row
+
+
+def _reason(session, b: Build) -> str | None:
+    if b.status == "queued" and not (b.reason or "").startswith(("not yet handed", "retrying")):
+        return waiting_reason(session, b.queue, b.spec.get("backend"), b.spec.get("target"))
+    return b.reason
+
+
+@router.get("/{build_id}")
+def get_build(build_id: str, session: SessionDep):
+    """One build: status, current stage, per-stage timings and cache hits, digest, error and reason."""
+    b = _get(session, build_id)
+    return build_read(b, reason=_reason(session, b))
+
+
+@router.post("/{build_id}/cancel")
+def cancel_build(build_id: str, session: SessionDep):
+    """Cancel: a queued build stops at once, a running one at its next stage boundary."""
+    b = _get(session, build_id)
+    if b.status in TERMINAL:
+        return JSONResponse({"error": {"code": "build_finished", "field": "status",
+                                       "message": f"build {build_id} is already {b.status}",
+                                       "fix": "nothing to cancel"}}, status_code=409)
+    b.cancel_requested = True
+    if b.status == "queued":
+        b.status, b.active_key, b.finished_at = "cancelled", None, datetime.now(timezone.utc)
+        b.reason = "cancelled while queued"
+        session.add(BuildEvent(build_id=b.id, kind="status", data={"status": "cancelled"}))
+    session.commit()
+    return JSONResponse(build_read(b), status_code=202 if b.status == "running" else 200)
+
+
+@router.get("/{build_id}/events")
+async def build_events(build_id: str, request: Request, sessions: SessionsDep):
+    """Server-sent events: stage changes and status changes, until the build finishes."""
+    with sessions() as s:
+        _get(s, build_id)
+    try:
+        last = int(request.headers.get("last-event-id", "0"))
+    except ValueError:
+        last = 0
+
+    async def stream():
+        nonlocal last
+        while True:
+            with sessions() as s:
+                events = list(s.scalars(select(BuildEvent).where(BuildEvent.build_id == build_id, BuildEvent.id > last)
+                                        .order_by(BuildEvent.id)))
+                status = s.get(Build, build_id).status
+            for e in events:
+                last = e.id
+                yield f"id: {e.id}\nevent: {e.kind}\ndata: {json.dumps(e.data, sort_keys=True)}\n\n"
+            if status in TERMINAL and not events:
+                yield f"event: end\ndata: {json.dumps({'status': status})}\n\n"
+                return
+            if await request.is_disconnected():
+                return
+            await asyncio.sleep(0.3)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def count_by_status(session) -> dict[str, int]:
+    return dict(session.execute(select(Build.status, func.count()).group_by(Build.status)).all())
+
+
+__all__ = ["router", "KilnError"]

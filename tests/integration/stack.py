@@ -1,0 +1,146 @@
+"""Real processes for integration tests: a PostgreSQL database of their own, a Redis database index they own,
+``kiln api`` (uvicorn) and ``kiln worker`` (Celery) subprocesses, and HTTP helpers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import REPO
+
+PG = os.environ.get("KILN_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432")
+REDIS = os.environ.get("KILN_TEST_REDIS", "redis://127.0.0.1:6379")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def postgres_database():
+    """A fresh database, dropped afterwards; yields its SQLAlchemy URL."""
+    import sqlalchemy as sa
+
+    name = f"kiln_test_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(f"{PG}/postgres", isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"{PG}/{name}"
+    finally:
+        from kiln.db import get_engine
+
+        get_engine.cache_clear()
+        with admin.connect() as c:
+            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def redis_url() -> str:
+    """A Redis database index of its own (flushed first: the test owns it)."""
+    import redis
+
+    index = 1 + int(uuid.uuid4().int % 14)
+    url = f"{REDIS}/{index}"
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+class Stack:
+    def __init__(self, home: Path, env: dict[str, str]):
+        self.home, self.env = home, {**os.environ, **env, "KILN_HOME": str(home),
+                                     "KILN_CHECKPOINT_ROOTS": f"{REPO}{os.pathsep}{home.parent}"}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def kiln(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=REPO, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.home.parent / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "api.cli", *args], cwd=REPO, env=self.env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.home.parent / f"{name}.log").read_text()
+
+    def start_api(self) -> None:
+        self.start("api", "api", "--port", str(self.port))
+        self.wait_http("/healthz")
+
+    def start_worker(self, name: str, *args: str) -> None:
+        self.start(name, "worker", "--name", name, *args)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            workers = httpx.get(f"{self.url}/v1/workers").json()["workers"]
+            if any(w["name"] == name and w["live"] for w in workers) and "ready" in self.log(name):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"worker {name} did not start:\n{self.log(name)}")
+
+    def wait_http(self, path: str, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"{path} never answered:\n" + "\n".join(self.log(n) for n in self.procs))
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        proc = self.procs.pop(name)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+
+    # -- HTTP helpers --------------------------------------------------------------------------------
+    def post(self, path: str, body) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=120)
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=30)
+
+    def wait_build(self, build_id: str, states=("succeeded", "failed", "cancelled"), timeout: float = 300) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            b = self.get(f"/v1/builds/{build_id}").json()
+            if b["status"] in states:
+                return b
+            time.sleep(0.5)
+        raise AssertionError(f"build {build_id} stuck in {b['status']}:\n" + "\n".join(self.log(n) for n in self.procs))
+
+
+def tiny_spec(**overrides) -> dict:
+    """A quick build of the shipped model: checkpoint backend, a short evaluation text."""
+    spec = {"checkpoint": str(REPO / "examples" / "tiny-llama"), "precision": "fp8", "profile": "latency",
+            "backend": "checkpoint", "calibration": {"samples": 8, "seq_len": 64},
+            "evaluation": {"max_tokens": 1024}}
+    spec.update(overrides)
+    return spec

@@ -1,0 +1,131 @@
+"""The distributed service against the real stack on this machine: PostgreSQL, Redis, ``kiln api`` and
+``kiln worker`` processes (Celery, prefork), building the shipped model for real."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from tests.integration import api_checks
+from tests.integration.stack import Stack, postgres_database, redis_url, tiny_spec
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with postgres_database() as db_url:
+        home = tmp_path_factory.mktemp("service") / "kiln"
+        s = Stack(home, {"KILN_DATABASE_URL": db_url, "KILN_BROKER_URL": redis_url()})
+        up = s.kiln("db", "upgrade")
+        assert up.returncode == 0, up.stderr
+        s.db_url = db_url
+        try:
+            s.start_api()
+            # the first worker serves only aot-inductor builds: checkpoint builds wait for the second
+            s.start_worker("w-aot", "--queues", "kiln.aot-inductor.cpu")
+            yield s
+        finally:
+            s.close()
+
+
+def test_health(stack):
+    api_checks.health(stack)
+    workers = stack.get("/v1/workers").json()["workers"]
+    w = next(w for w in workers if w["name"] == "w-aot")
+    assert w["live"] and w["queues"] == ["kiln.aot-inductor.cpu"]
+    assert w["capabilities"]["toolchains"]["kiln.aot-inductor.cpu"]["torch"].startswith("2.")
+
+
+def test_a_build_no_worker_serves_waits_with_a_reason_then_runs_when_one_starts(stack):
+    r = stack.post("/v1/builds", tiny_spec())
+    assert r.status_code == 202
+    build = r.json()
+    time.sleep(3)
+    waiting = stack.get(f"/v1/builds/{build['id']}").json()
+    assert waiting["status"] == "queued"
+    assert "kiln.checkpoint.cpu" in waiting["reason"] and "no such worker is live" in waiting["reason"]
+    stack.start_worker("w-ckpt", "--queues", "kiln.checkpoint.cpu")
+    done = stack.wait_build(build["id"])
+    assert done["status"] == "succeeded" and done["worker"] == "w-ckpt", done
+
+
+def test_trtllm_build_waits_for_a_gpu_worker(stack):
+    r = stack.post("/v1/builds", tiny_spec(backend="trtllm-engine", target="h100"))
+    assert r.status_code == 202
+    time.sleep(2)
+    b = stack.get(f"/v1/builds/{r.json()['id']}").json()
+    assert b["status"] == "queued" and "kiln.trtllm-engine.sm90" in b["reason"]
+    assert stack.post(f"/v1/builds/{b['id']}/cancel", None).json()["status"] == "cancelled"
+
+
+def test_submit_follow_events_query_and_dedupe(stack):
+    api_checks.submit_follow_and_query(stack, tiny_spec(gates={"max_mean_kl": 0.5}))
+
+
+def test_bad_requests(stack):
+    api_checks.bad_requests_are_4xx_with_json(stack)
+
+
+def test_twenty_concurrent_identical_submissions_make_one_build(stack):
+    spec = tiny_spec(gates={"max_mean_kl": 0.41})
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(lambda _: stack.post("/v1/builds", spec), range(20)))
+    assert all(a.status_code in (200, 202) for a in answers), [a.text for a in answers]
+    ids = {a.json()["id"] for a in answers}
+    assert len(ids) == 1
+    assert sum(a.status_code == 202 for a in answers) == 1
+    engine = sa.create_engine(stack.db_url)
+    with engine.connect() as c:
+        n = c.execute(sa.text("SELECT count(*) FROM builds WHERE request_key = :k"),
+                      {"k": answers[0].json()["request_key"]}).scalar()
+    engine.dispose()
+    assert n == 1
+    assert stack.wait_build(ids.pop())["status"] == "succeeded"
+
+
+def test_cancel_a_running_build_publishes_nothing(stack):
+    spec = tiny_spec(backend="aot-inductor", gates={"max_mean_kl": 0.42})
+    build = stack.post("/v1/builds", spec).json()
+    stack.wait_build(build["id"], states=("running",), timeout=120)
+    r = stack.post(f"/v1/builds/{build['id']}/cancel", None)
+    assert r.status_code == 202 and r.json()["cancel_requested"] is True
+    done = stack.wait_build(build["id"])
+    assert done["status"] == "cancelled" and done["digest"] is None
+    arts = stack.get("/v1/artifacts?backend=aot-inductor").json()["artifacts"]
+    assert not [a for a in arts if a["build_key"] == done["build_key"]]
+    again = stack.post(f"/v1/builds/{build['id']}/cancel", None)
+    assert again.status_code == 409 and again.json()["error"]["field"] == "status"
+
+
+def test_cli_drives_the_remote_service(stack):
+    base = ["build", str(tiny_spec()["checkpoint"]), "--backend", "checkpoint", "--calib-samples", "8",
+            "--calib-seq-len", "64", "--eval-max-tokens", "1024", "--server", stack.url, "--json"]
+    ok = stack.kiln(*base, "--gate", "max_mean_kl=0.43")
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert out["status"] == "succeeded" and out["validation"]["passed"] is True
+    assert [s["name"] for s in out["stages"]] == ["resolve", "quantize", "compile", "validate", "publish"]
+    assert "publish" in ok.stderr  # stage lines streamed from the server
+    bad = stack.kiln(*base, "--gate", "min_top1_agreement=1.5")
+    assert bad.returncode == 1, bad.stderr
+    assert json.loads(bad.stdout.strip().splitlines()[-1])["status"] == "failed"
+    invalid = stack.kiln(*base, "--precision", "int4")
+    assert invalid.returncode == 2 and "precision" in invalid.stderr
+
+
+def test_migrations_up_and_down_on_postgres(tmp_path):
+    with postgres_database() as url:
+        s = Stack(tmp_path / "kiln", {"KILN_DATABASE_URL": url})
+        engine = sa.create_engine(url)
+        assert s.kiln("db", "upgrade").returncode == 0
+        assert {"artifacts", "builds", "build_events", "workers", "alembic_version"} <= set(sa.inspect(engine).get_table_names())
+        down = s.kiln("db", "downgrade", "base")
+        assert down.returncode == 0, down.stderr
+        assert set(sa.inspect(engine).get_table_names()) <= {"alembic_version"}
+        assert s.kiln("db", "upgrade").returncode == 0
+        engine.dispose()

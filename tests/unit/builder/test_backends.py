@@ -1,0 +1,250 @@
+"""Backends: the trtllm-build argv and engine-config checks (TensorRT-LLM cannot run here), the aot-inductor
+plan and early refusals, and the checkpoint backend's copy."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from builder.backends import BACKENDS, get_backend
+from builder.backends.aot_inductor import AOTInductorBackend
+from builder.backends.checkpoint import CheckpointBackend
+from builder.backends.trtllm import TRTLLMBackend, build_argv, check_engine_config
+from kiln.errors import SpecError, StageFailed, ToolchainMissing
+from kiln.spec import PROFILES, parse_spec
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "examples" / "tiny-llama"
+CKPT_DIR = Path("/q/trtllm")
+OUT_DIR = Path("/engines/e1")
+
+
+def spec(**overrides):
+    data = {"checkpoint": str(TINY), "precision": "fp8", "backend": "trtllm-engine", "target": "sm100"}
+    data.update(overrides)
+    return parse_spec(data, [REPO])
+
+
+def test_backends_by_name():
+    assert set(BACKENDS) == {"trtllm-engine", "aot-inductor", "checkpoint"}
+    assert isinstance(get_backend("trtllm-engine"), TRTLLMBackend) and TRTLLMBackend.consumes == "trtllm"
+    assert isinstance(get_backend("aot-inductor"), AOTInductorBackend) and AOTInductorBackend.consumes == "hf"
+    assert isinstance(get_backend("checkpoint"), CheckpointBackend) and CheckpointBackend.consumes == "hf"
+
+
+# -- trtllm-build argv -----------------------------------------------------------------------------
+EXPECTED_LIMITS = {  # batch, input, seq, tokens of the named profiles
+    "latency": ("1", "256", "512", "512"),
+    "balanced": ("8", "256", "512", "2048"),
+    "throughput": ("32", "256", "512", "8192"),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_build_argv_for_every_named_profile(profile, precision):
+    b, i, s, t = EXPECTED_LIMITS[profile]
+    assert build_argv(spec(profile=profile, precision=precision), CKPT_DIR, OUT_DIR) == [
+        "trtllm-build",
+        "--checkpoint_dir", "/q/trtllm",
+        "--output_dir", "/engines/e1",
+        "--max_batch_size", b,
+        "--max_input_len", i,
+        "--max_seq_len", s,
+        "--max_num_tokens", t,
+        "--kv_cache_type", "paged",
+        "--gemm_plugin", "auto",
+        "--workers", "1",
+    ]
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_fp8_kv_cache_enables_paged_context_fmha(precision):
+    argv = build_argv(spec(precision=precision, kv_cache="fp8", profile="balanced"), CKPT_DIR, OUT_DIR)
+    plain = build_argv(spec(precision=precision, profile="balanced"), CKPT_DIR, OUT_DIR)
+    assert argv == plain + ["--use_paged_context_fmha", "enable"]
+
+
+def test_build_argv_workers_follow_tensor_parallel_size():
+    argv = build_argv(spec(target="sm90", tp_size=4), CKPT_DIR, OUT_DIR)
+    assert argv[argv.index("--workers") + 1] == "4"
+
+
+def test_build_argv_for_a_custom_profile():
+    prof = {"max_batch_size": 3, "max_input_len": 100, "max_seq_len": 150, "max_num_tokens": 300}
+    argv = build_argv(spec(profile=prof), CKPT_DIR, OUT_DIR)
+    assert [argv[argv.index(f"--{k}") + 1] for k in prof] == ["3", "100", "150", "300"]
+
+
+def test_every_argv_element_is_a_string():
+    assert all(isinstance(a, str) for a in build_argv(spec(kv_cache="fp8", tp_size=2, target="sm90"), CKPT_DIR, OUT_DIR))
+
+
+def test_trtllm_plan_is_the_argv_on_the_trtllm_export():
+    s = spec(profile="throughput")
+    plan = TRTLLMBackend().plan(s, Path("/cache/q1"), OUT_DIR)
+    assert plan["commands"] == [build_argv(s, Path("/cache/q1/trtllm"), OUT_DIR)]
+    assert plan["steps"]
+
+
+# -- engine config checks --------------------------------------------------------------------------
+def engine_config(*, quant_algo="FP8", kv_algo=None, tp_size=1, batch=1, inp=256, seq=512, tokens=512, paged=True):
+    """HAND-MADE: an engine config.json laid out as TensorRT-LLM 1.2's EngineConfig.to_dict() writes it
+    (version, pretrained_config{..., mapping, quantization}, build_config{max_*, kv_cache_type, plugin_config})."""
+    return {
+        "version": "1.2.1",
+        "pretrained_config": {
+            "architecture": "LlamaForCausalLM", "dtype": "float16", "vocab_size": 2048, "hidden_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1, "cp_size": 1, "gpus_per_node": 8},
+            "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_algo, "group_size": 16,
+                             "exclude_modules": ["lm_head"]},
+        },
+        "build_config": {
+            "max_input_len": inp, "max_seq_len": seq, "opt_batch_size": 8, "max_batch_size": batch,
+            "max_beam_width": 1, "max_num_tokens": tokens, "opt_num_tokens": None,
+            "kv_cache_type": "PAGED" if paged else "CONTINUOUS", "strongly_typed": True,
+            "plugin_config": {"dtype": "float16", "gemm_plugin": "auto", "gpt_attention_plugin": "auto",
+                              "paged_kv_cache": paged, "tokens_per_block": 64, "use_paged_context_fmha": False,
+                              "remove_input_padding": True, "context_fmha": True},
+        },
+    }
+
+
+@pytest.mark.parametrize("precision, algo", [("fp8", "FP8"), ("nvfp4", "NVFP4")])
+def test_matching_engine_config_has_no_problems(precision, algo):
+    assert check_engine_config(engine_config(quant_algo=algo), spec(precision=precision)) == []
+
+
+def test_matching_engine_with_fp8_kv_and_tp():
+    cfg = engine_config(kv_algo="FP8", tp_size=2, batch=32, tokens=8192)
+    assert check_engine_config(cfg, spec(kv_cache="fp8", tp_size=2, target="sm90", profile="throughput")) == []
+
+
+def test_mismatched_quant_algo_is_reported():
+    problems = check_engine_config(engine_config(quant_algo="FP8"), spec(precision="nvfp4"))
+    assert len(problems) == 1 and "quant_algo" in problems[0] and "NVFP4" in problems[0]
+    assert check_engine_config(engine_config(quant_algo=None), spec())[0].startswith("quant_algo is None")
+
+
+def test_mismatched_kv_cache_quant_algo_is_reported():
+    assert "kv_cache_quant_algo" in check_engine_config(engine_config(kv_algo="FP8"), spec())[0]
+    assert "kv_cache_quant_algo" in check_engine_config(engine_config(), spec(kv_cache="fp8"))[0]
+
+
+@pytest.mark.parametrize("field, kw", [("max_batch_size", {"batch": 2}), ("max_input_len", {"inp": 128}),
+                                       ("max_seq_len", {"seq": 1024}), ("max_num_tokens", {"tokens": 64})])
+def test_mismatched_limits_are_reported(field, kw):
+    problems = check_engine_config(engine_config(**kw), spec())
+    assert len(problems) == 1 and f"build_config.{field}" in problems[0]
+
+
+def test_mismatched_tp_size_is_reported():
+    problems = check_engine_config(engine_config(tp_size=2), spec())
+    assert problems == ["mapping.tp_size is 2, spec asks 1"]
+
+
+def test_non_paged_kv_cache_is_reported():
+    problems = check_engine_config(engine_config(paged=False), spec())
+    assert len(problems) == 1 and "paged_kv_cache" in problems[0]
+
+
+def test_every_mismatch_is_reported_at_once():
+    cfg = engine_config(quant_algo="NVFP4", kv_algo="FP8", tp_size=4, batch=64, paged=False)
+    assert len(check_engine_config(cfg, spec())) == 5
+
+
+def test_empty_config_is_all_problems_not_a_crash():
+    problems = check_engine_config({}, spec())
+    assert any("quant_algo" in p for p in problems) and any("max_batch_size" in p for p in problems)
+
+
+def test_check_does_not_modify_the_config():
+    cfg = engine_config()
+    before = copy.deepcopy(cfg)
+    check_engine_config(cfg, spec(precision="nvfp4"))
+    assert cfg == before
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: kiln/spec.py:196 (_rules) accepts a trtllm-engine profile with max_num_tokens > "
+                   "max_batch_size × max_seq_len; trtllm-build caps it to that product "
+                   "(tensorrt_llm/_common.py check_max_num_tokens), so check_engine_config "
+                   "(builder/backends/trtllm.py:57) rejects the built engine only after the whole build")
+def test_trtllm_spec_cannot_ask_for_more_tokens_than_batch_times_sequence():
+    prof = {"max_batch_size": 1, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 4096}
+    try:
+        s = spec(profile=prof)
+    except SpecError as err:
+        assert err.field == "profile.max_num_tokens"
+        return
+    # what trtllm-build writes for this profile: max_num_tokens capped to 1 × 128
+    built = engine_config(batch=1, inp=64, seq=128, tokens=128)
+    assert check_engine_config(built, s) == []
+
+
+# -- trtllm compile here ---------------------------------------------------------------------------
+def test_trtllm_compile_without_tensorrt_llm_raises_toolchain_missing(tmp_path):
+    if shutil.which("trtllm-build"):
+        pytest.skip("TensorRT-LLM is installed here")
+    backend = TRTLLMBackend()
+    with pytest.raises(ToolchainMissing) as info:
+        backend.compile(spec(), tmp_path / "q", tmp_path / "engine")
+    assert "TensorRT-LLM is not installed" in info.value.message
+    assert "release" in info.value.fix and info.value.code == "toolchain_missing"
+    with pytest.raises(ToolchainMissing):
+        backend.check_environment(spec())
+    assert not (tmp_path / "engine").exists() and not (tmp_path / "engine.trtllm-build").exists()
+
+
+# -- aot-inductor ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_aot_inductor_plan_mentions_the_dynamic_ranges(profile):
+    s = spec(backend="aot-inductor", target="cpu", profile=profile)
+    plan = AOTInductorBackend().plan(s, Path("/cache/q1"), Path("/cache/c1"))
+    p = PROFILES[profile]
+    text = "\n".join(plan["steps"])
+    assert plan["commands"] == []
+    assert f"batch: 1..{p.max_batch_size}" in text and f"seq: 1..{p.max_seq_len}" in text
+    assert "/cache/q1/hf" in text and "/cache/c1/model.pt2" in text and "device cpu" in text
+
+
+def test_aot_inductor_gpu_target_without_cuda_is_toolchain_missing(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    s = spec(backend="aot-inductor", target="sm90")
+    with pytest.raises(ToolchainMissing) as info:
+        AOTInductorBackend().compile(s, tmp_path / "q", tmp_path / "c")
+    assert "sm90" in info.value.message and info.value.fix
+    AOTInductorBackend().check_environment(spec(backend="aot-inductor", target="cpu"))  # cpu is fine
+
+
+def test_aot_inductor_refuses_a_profile_longer_than_the_model(nvfp4_export, tmp_path):
+    prof = {"max_batch_size": 2, "max_input_len": 256, "max_seq_len": 1024, "max_num_tokens": 2048}  # model: 512
+    s = spec(backend="aot-inductor", target="cpu", precision="nvfp4", profile=prof)
+    with pytest.raises(StageFailed, match="1024"):
+        AOTInductorBackend().compile(s, nvfp4_export, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+# -- checkpoint ------------------------------------------------------------------------------------
+def test_checkpoint_backend_copies_the_hf_export_and_writes_engine_json(nvfp4_export, tmp_path):
+    s = spec(backend="checkpoint", target="sm90", precision="nvfp4", kv_cache="fp8", profile="balanced")
+    out = tmp_path / "engine"
+    backend = CheckpointBackend()
+    assert str(nvfp4_export / "hf") in backend.plan(s, nvfp4_export, out)["steps"][0]
+    record = backend.compile(s, nvfp4_export, out)
+    assert record["backend"] == "checkpoint"
+    src = sorted(p.name for p in (nvfp4_export / "hf").iterdir())
+    assert sorted(p.name for p in out.iterdir()) == sorted(src + ["engine.json"])
+    for name in src:
+        assert (out / name).read_bytes() == (nvfp4_export / "hf" / name).read_bytes()
+    engine = json.loads((out / "engine.json").read_text())
+    assert engine == {"format": "kiln-hf-checkpoint/1", "precision": "nvfp4", "kv_cache": "fp8",
+                      "profile": PROFILES["balanced"].model_dump(), "target": "sm90"}
+    assert not (nvfp4_export / "hf" / "engine.json").exists()  # the shared export is untouched

@@ -1,0 +1,185 @@
+"""quantize: ModelOpt PTQ of the tiny Llama, exported as the TensorRT-LLM and the unified HF checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from builder.quantize import calibration_batches, quant_config, quantize
+from kiln.errors import SpecError
+from kiln.quantformat import dequantize_nvfp4, unpack_nvfp4
+from kiln.spec import parse_spec
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "examples" / "tiny-llama"
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TINY)
+
+
+@pytest.fixture(scope="module")
+def reference_state():
+    return load_file(str(TINY / "model.safetensors"))
+
+
+# -- quant_config ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision, attr", [("fp8", "FP8_DEFAULT_CFG"), ("nvfp4", "NVFP4_DEFAULT_CFG")])
+def test_quant_config_is_modelopts_default(precision, attr):
+    import modelopt.torch.quantization as mtq
+
+    cfg = quant_config(precision, "none")
+    assert cfg == getattr(mtq, attr)
+    assert cfg is not getattr(mtq, attr) and cfg["quant_cfg"] is not getattr(mtq, attr)["quant_cfg"]
+
+
+@pytest.mark.parametrize("precision, attr", [("fp8", "FP8_DEFAULT_CFG"), ("nvfp4", "NVFP4_DEFAULT_CFG")])
+def test_fp8_kv_cache_appends_the_kv_rules_to_the_list(precision, attr):
+    import modelopt.torch.quantization as mtq
+
+    base = getattr(mtq, attr)
+    before = copy.deepcopy(base)
+    cfg = quant_config(precision, "fp8")
+    kv_rules = mtq.FP8_KV_CFG["quant_cfg"]
+    assert isinstance(cfg["quant_cfg"], list)
+    assert cfg["quant_cfg"] == list(base["quant_cfg"]) + list(kv_rules)  # appended last, so they win
+    assert any("bmm_quantizer" in str(rule) for rule in cfg["quant_cfg"][-len(kv_rules):])
+    assert base == before  # ModelOpt's constant is not modified
+    assert quant_config(precision, "none")["quant_cfg"] == list(base["quant_cfg"])
+
+
+# -- calibration batches ---------------------------------------------------------------------------
+def test_calibration_batches_shape(tokenizer):
+    from kiln.datasets import load_text
+
+    text, _ = load_text("kiln:calibration", field="calibration.dataset", roots=[])
+    batches = calibration_batches(tokenizer, text, 8, 64)
+    assert batches.shape == (8, 64) and batches.dtype == torch.long
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert batches.flatten().tolist() == ids[: 8 * 64]  # consecutive real text, no padding
+
+
+def test_calibration_text_too_short_names_samples(tokenizer):
+    with pytest.raises(SpecError) as info:
+        calibration_batches(tokenizer, "too short a text", 8, 64)
+    assert info.value.field == "calibration.samples"
+    assert info.value.fix and "512" in info.value.message
+
+
+def test_unsupported_model_type_is_refused_before_calibration(tmp_path):
+    ckpt = tmp_path / "bert"
+    shutil.copytree(TINY, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    spec = parse_spec({"checkpoint": str(ckpt), "precision": "fp8"}, [tmp_path])
+    with pytest.raises(SpecError) as info:
+        quantize(ckpt, spec, "text", tmp_path / "out")
+    assert info.value.field == "checkpoint" and "bert" in info.value.message
+    assert not (tmp_path / "out").exists()
+
+
+# -- real exports (shared session fixtures, see conftest.py) ---------------------------------------
+@pytest.mark.parametrize("precision, algo", [("fp8", "FP8"), ("nvfp4", "NVFP4")])
+def test_export_layout_and_quant_algo(request, precision, algo):
+    out: Path = request.getfixturevalue(f"{precision}_export")
+    trt = json.loads((out / "trtllm" / "config.json").read_text())
+    assert trt["quantization"]["quant_algo"] == algo
+    assert trt["quantization"]["kv_cache_quant_algo"] is None
+    assert trt["mapping"]["tp_size"] == 1 and trt["architecture"] == "LlamaForCausalLM"
+    assert (out / "trtllm" / "rank0.safetensors").is_file()
+    assert not (out / "trtllm" / "rank1.safetensors").exists()
+    hq = json.loads((out / "hf" / "hf_quant_config.json").read_text())
+    assert hq["quantization"]["quant_algo"] == algo
+    assert {"lm_head", "model.embed_tokens"} <= set(hq["quantization"]["exclude_modules"])
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert (out / "hf" / name).is_file(), name
+    assert json.loads((out / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_fp8_weights_are_float8_with_fp32_scales(fp8_export, reference_state):
+    state = load_file(str(fp8_export / "hf" / "model.safetensors"))
+    for layer in range(4):
+        for lin in LINEARS:
+            p = f"model.layers.{layer}.{lin}"
+            assert state[f"{p}.weight"].dtype == torch.float8_e4m3fn
+            assert state[f"{p}.weight_scale"].dtype == torch.float32 and state[f"{p}.weight_scale"].numel() == 1
+            assert state[f"{p}.input_scale"].dtype == torch.float32 and state[f"{p}.input_scale"].item() > 0
+            ref = reference_state[f"{p}.weight"]
+            deq = state[f"{p}.weight"].float() * state[f"{p}.weight_scale"]
+            assert deq.shape == ref.shape
+            assert (deq - ref).abs().max() <= ref.abs().max() / 16 + 1e-6  # FP8 e4m3: ≤ half a step of 3 bits
+    assert state["lm_head.weight"].dtype == torch.float32  # left unquantized
+    assert torch.equal(state["model.embed_tokens.weight"], reference_state["model.embed_tokens.weight"])
+    trt = load_file(str(fp8_export / "trtllm" / "rank0.safetensors"))
+    assert trt["transformer.layers.0.attention.qkv.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_nvfp4_weights_are_packed_uint8_with_float8_block_scales(nvfp4_export, reference_state):
+    state = load_file(str(nvfp4_export / "hf" / "model.safetensors"))
+    for layer in range(4):
+        for lin in LINEARS:
+            p = f"model.layers.{layer}.{lin}"
+            ref = reference_state[f"{p}.weight"]
+            out_f, in_f = ref.shape
+            w, s, s2 = state[f"{p}.weight"], state[f"{p}.weight_scale"], state[f"{p}.weight_scale_2"]
+            assert w.dtype == torch.uint8 and w.shape == (out_f, in_f // 2)  # two e2m1 values per byte
+            assert s.dtype == torch.float8_e4m3fn and s.shape == (out_f, in_f // 16)  # group 16
+            assert s2.dtype == torch.float32 and s2.numel() == 1
+        # weight_scale_2 = amax / (6 × 448), the amax shared by the linears TensorRT-LLM fuses (qkv, gate+up)
+        for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+                      ("self_attn.o_proj",), ("mlp.down_proj",)):
+            names = [f"model.layers.{layer}.{lin}" for lin in group]
+            amax = max(reference_state[f"{n}.weight"].abs().max().item() for n in names)
+            for n in names:
+                assert state[f"{n}.weight_scale_2"].item() == pytest.approx(amax / (6 * 448), rel=1e-5)
+    hq = json.loads((nvfp4_export / "hf" / "hf_quant_config.json").read_text())
+    assert hq["quantization"]["group_size"] == 16
+
+
+def test_nvfp4_export_dequantizes_low_nibble_first(nvfp4_export, reference_state):
+    """The format facts hold on a real export: read low-nibble-first the weights come back close to the
+    reference; read in the other order they do not."""
+    state = load_file(str(nvfp4_export / "hf" / "model.safetensors"))
+    p = "model.layers.1.mlp.up_proj"
+    ref = reference_state[f"{p}.weight"]
+    w, s, s2 = state[f"{p}.weight"], state[f"{p}.weight_scale"], state[f"{p}.weight_scale_2"]
+    right = dequantize_nvfp4(w, s, s2)
+    swapped = dequantize_nvfp4(((w & 0x0F) << 4) | (w >> 4), s, s2)
+    rel = lambda x: ((x - ref).norm() / ref.norm()).item()  # noqa: E731
+    assert rel(right) < 0.15
+    assert rel(swapped) > 0.8
+    assert unpack_nvfp4(w).shape == ref.shape
+
+
+def test_quantize_record(fp8_export, nvfp4_export):
+    for out, precision, algo in ((fp8_export, "fp8", "FP8"), (nvfp4_export, "nvfp4", "NVFP4")):
+        record = json.loads((out / "quantize.json").read_text())
+        assert record["precision"] == precision and record["kv_cache"] == "none"
+        assert record["device"] == "cpu" and record["decoder_type"] == "llama"
+        assert record["calibration"] == {"dataset": "kiln:calibration", "samples": 8, "seq_len": 64, "tokens": 512}
+        assert record["quantized_linears"] == 4 * len(LINEARS)
+        assert set(record["seconds"]) == {"load", "calibrate", "export"}
+        assert all(v >= 0 for v in record["seconds"].values())
+        assert record["hf_quant_config"] == json.loads((out / "hf" / "hf_quant_config.json").read_text())
+        assert record["hf_quant_config"]["quantization"]["quant_algo"] == algo
+
+
+def test_quantize_refuses_an_existing_output_dir(fp8_export, tmp_path):
+    spec = parse_spec({"checkpoint": str(TINY), "precision": "fp8", "calibration": {"samples": 1, "seq_len": 8}}, [REPO])
+    existing = tmp_path / "out"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError):
+        quantize(TINY, spec, "word " * 200, existing)
+    assert [p.name for p in existing.iterdir()] == ["keep.txt"]

@@ -1,0 +1,132 @@
+"""Reading ModelOpt's exported tensors back: NVFP4 nibble order and sign, block and global scales, FP8 scales,
+and the checkpoint loader. Every tensor here is made by hand, so the expected values are known exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kiln.errors import StageFailed
+from kiln.quantformat import (
+    E2M1_VALUES, NVFP4_GROUP, dequantize_fp8, dequantize_nvfp4, e2m1_table, load_quantized_checkpoint,
+    load_reference_checkpoint, unpack_nvfp4,
+)
+
+
+def u8(*values: int) -> torch.Tensor:
+    return torch.tensor([values], dtype=torch.uint8)
+
+
+def test_e2m1_table_has_sign_in_bit_3():
+    table = e2m1_table()
+    assert table[:8].tolist() == list(E2M1_VALUES)
+    assert table[8:].tolist() == [-v for v in E2M1_VALUES]
+
+
+def test_low_nibble_is_the_first_element():
+    assert unpack_nvfp4(u8(0x21)).tolist() == [[0.5, 1.0]]
+    assert unpack_nvfp4(u8(0x12)).tolist() == [[1.0, 0.5]]
+    assert unpack_nvfp4(u8(0x70)).tolist() == [[0.0, 6.0]]
+
+
+def test_every_code_in_the_low_and_high_nibble():
+    codes = list(range(16))
+    expected = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    low = unpack_nvfp4(torch.tensor([codes], dtype=torch.uint8))
+    high = unpack_nvfp4(torch.tensor([[c << 4 for c in codes]], dtype=torch.uint8))
+    assert low[0, 0::2].tolist() == expected and low[0, 1::2].tolist() == [0.0] * 16
+    assert high[0, 1::2].tolist() == expected and high[0, 0::2].tolist() == [0.0] * 16
+
+
+def test_sign_bit():
+    assert unpack_nvfp4(u8(0x9F)).tolist() == [[-6.0, -0.5]]
+    assert unpack_nvfp4(u8(0xA3)).tolist() == [[1.5, -1.0]]
+    assert torch.signbit(unpack_nvfp4(u8(0x08)))[0, 0]  # 0b1000 is negative zero
+
+
+def test_unpack_keeps_leading_dimensions():
+    packed = torch.arange(24, dtype=torch.uint8).reshape(2, 3, 4)
+    out = unpack_nvfp4(packed)
+    assert out.shape == (2, 3, 8) and out.dtype == torch.float32
+    assert out[1, 2, 6].item() == e2m1_table()[packed[1, 2, 3].item() & 0xF].item()
+
+
+def test_dequantize_nvfp4_applies_block_and_global_scales():
+    # 2 rows × 32 inputs = 2 blocks per row; row r, block b is filled with code 0x2 (1.0) in the low nibble and
+    # 0xA (-1.0) in the high one, so values alternate +1, -1.
+    packed = torch.full((2, 16), 0xA2, dtype=torch.uint8)
+    block = torch.tensor([[1.0, 2.0], [0.5, 448.0]]).to(torch.float8_e4m3fn)
+    out = dequantize_nvfp4(packed, block, torch.tensor(0.25))
+    assert out.shape == (2, 32)
+    expected_scale = torch.tensor([[0.25] * 16 + [0.5] * 16, [0.125] * 16 + [112.0] * 16])
+    sign = torch.tensor([1.0, -1.0]).repeat(16)
+    assert torch.equal(out, expected_scale * sign)
+
+
+def test_dequantize_nvfp4_block_boundaries_follow_the_group_size():
+    packed = torch.full((1, NVFP4_GROUP), 0x77, dtype=torch.uint8)  # 32 values of 6.0
+    block = torch.tensor([[1.0, 0.5]]).to(torch.float8_e4m3fn)
+    out = dequantize_nvfp4(packed, block, torch.tensor(2.0))[0]
+    assert out[:NVFP4_GROUP].tolist() == [12.0] * NVFP4_GROUP
+    assert out[NVFP4_GROUP:].tolist() == [6.0] * NVFP4_GROUP
+
+
+def test_dequantize_fp8():
+    w = torch.tensor([[1.0, -2.0, 448.0, 0.0]]).to(torch.float8_e4m3fn)
+    assert dequantize_fp8(w, torch.tensor(0.5)).tolist() == [[0.5, -1.0, 224.0, 0.0]]
+
+
+# -- the checkpoint loader -------------------------------------------------------------------------
+def _write_checkpoint(directory: Path, algo: str | None, state: dict) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    if algo is not None:
+        (directory / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": algo}}))
+    save_file(state, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_load_nvfp4_checkpoint_dequantizes_packed_weights(tmp_path):
+    state = {
+        "layer.weight": torch.full((1, 8), 0x21, dtype=torch.uint8),
+        "layer.weight_scale": torch.tensor([[2.0]]).to(torch.float8_e4m3fn),
+        "layer.weight_scale_2": torch.tensor(0.5),
+        "layer.input_scale": torch.tensor(0.125),
+        "norm.weight": torch.ones(4, dtype=torch.bfloat16),
+    }
+    ckpt = load_quantized_checkpoint(_write_checkpoint(tmp_path / "c", "NVFP4", state))
+    assert ckpt.quant_algo == "NVFP4" and ckpt.kv_cache_quant_algo is None
+    assert ckpt.weights["layer.weight"].tolist() == [[0.5, 1.0] * 8]
+    assert ckpt.weights["norm.weight"].dtype == torch.float32
+    assert ckpt.input_scales == {"layer": 0.125}
+    assert set(ckpt.weights) == {"layer.weight", "norm.weight"}
+
+
+def test_load_fp8_checkpoint(tmp_path):
+    state = {"l.weight": torch.tensor([[2.0, -4.0]]).to(torch.float8_e4m3fn), "l.weight_scale": torch.tensor(0.25),
+             "l.input_scale": torch.tensor(0.5)}
+    ckpt = load_quantized_checkpoint(_write_checkpoint(tmp_path / "c", "FP8", state))
+    assert ckpt.weights["l.weight"].tolist() == [[0.5, -1.0]]
+    assert ckpt.input_scales == {"l": 0.5}
+
+
+def test_unquantized_checkpoint_and_reference_load_as_float32(tmp_path):
+    directory = _write_checkpoint(tmp_path / "c", None, {"w.weight": torch.ones(2, 2, dtype=torch.float16)})
+    for ckpt in (load_quantized_checkpoint(directory), load_reference_checkpoint(directory)):
+        assert ckpt.quant_algo is None and ckpt.weights["w.weight"].dtype == torch.float32
+
+
+def test_unknown_quant_algo_is_refused(tmp_path):
+    directory = _write_checkpoint(tmp_path / "c", "W4A16_AWQ", {"w.weight": torch.ones(2, 2)})
+    with pytest.raises(StageFailed, match="W4A16_AWQ"):
+        load_quantized_checkpoint(directory)
+
+
+def test_directory_without_safetensors_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(StageFailed, match="safetensors"):
+        load_reference_checkpoint(tmp_path)

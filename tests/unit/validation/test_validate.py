@@ -1,0 +1,181 @@
+"""Accuracy against the unquantized reference, and the verdict on real exports: an NVFP4 checkpoint as ModelOpt
+wrote it passes the default NVFP4 gates; the same checkpoint with every packed byte's nibbles swapped (the
+classic wrong-order bug) fails them loudly."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.datasets import load_text
+from kiln.errors import SpecError, StageFailed
+from kiln.spec import parse_spec
+from validation.gates import effective_gates
+from validation.measure import accuracy
+from validation.runners import DequantizedCheckpointRunner, TransformersRunner, open_engine, open_reference
+from validation.validate import eval_tokens, validate
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "examples" / "tiny-llama"
+EVAL_TOKENS = 2048  # 16 windows of 128: enough to separate good from damaged, ~1 s per engine here
+
+
+def nvfp4_spec(**overrides):
+    data = {"checkpoint": str(TINY), "precision": "nvfp4", "backend": "checkpoint",
+            "evaluation": {"max_tokens": EVAL_TOKENS}}
+    data.update(overrides)
+    return parse_spec(data, [REPO])
+
+
+@pytest.fixture(scope="module")
+def heldout() -> str:
+    return load_text("kiln:heldout", field="evaluation.dataset", roots=[REPO])[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return open_reference(TINY)
+
+
+@pytest.fixture(scope="module")
+def tokens(heldout):
+    ids, seq = eval_tokens(TINY, heldout, nvfp4_spec())
+    return ids, seq
+
+
+@pytest.fixture(scope="module")
+def damaged_nvfp4(nvfp4_export, tmp_path_factory) -> Path:
+    """A copy of the NVFP4 export with the two nibbles of every packed weight byte swapped."""
+    out = tmp_path_factory.mktemp("damaged") / "hf"
+    shutil.copytree(nvfp4_export / "hf", out)
+    for path in out.glob("*.safetensors"):
+        state = load_file(str(path))
+        packed = [k for k, v in state.items() if v.dtype == torch.uint8]
+        assert len(packed) == 28
+        for k in packed:
+            v = state[k]
+            state[k] = ((v & 0x0F) << 4) | (v >> 4)
+        save_file(state, str(path), metadata={"format": "pt"})
+    return out
+
+
+# -- eval tokens -----------------------------------------------------------------------------------
+def test_eval_tokens_are_capped_and_windowed(tokens):
+    ids, seq = tokens
+    assert seq == 128 and len(ids) == EVAL_TOKENS + 1 and ids.dtype == torch.long
+
+
+def test_eval_sequence_is_capped_by_the_profile(heldout):
+    prof = {"max_batch_size": 2, "max_input_len": 32, "max_seq_len": 64, "max_num_tokens": 128}
+    _, seq = eval_tokens(TINY, heldout, nvfp4_spec(profile=prof))
+    assert seq == 64
+
+
+def test_too_short_evaluation_text_names_the_dataset_field():
+    with pytest.raises(SpecError) as info:
+        eval_tokens(TINY, "only a few words", nvfp4_spec())
+    assert info.value.field == "evaluation.dataset" and info.value.fix
+
+
+# -- accuracy --------------------------------------------------------------------------------------
+def test_reference_against_itself(reference, tokens):
+    ids, seq = tokens
+    m = accuracy(reference, reference, ids, seq, 8)
+    assert m["perplexity"] == m["reference_perplexity"]
+    assert m["ppl_increase_pct"] == 0.0 and m["top1_agreement"] == 1.0
+    assert abs(m["mean_kl"]) < 1e-12
+    assert m["tokens"] == EVAL_TOKENS and m["seq_len"] == 128
+    assert 5 < m["reference_perplexity"] < 100  # a trained model: far below a uniform 2048
+
+
+def test_kiln_llama_reference_agrees_with_transformers(reference, tokens):
+    ids, seq = tokens
+    ours = DequantizedCheckpointRunner(TINY, reference=True)
+    m = accuracy(ours, reference, ids[:513], seq, 4)
+    assert abs(m["ppl_increase_pct"]) < 1e-3
+    assert m["top1_agreement"] > 0.999 and m["mean_kl"] < 1e-8
+
+
+def test_accuracy_is_independent_of_the_batch_size(reference, tokens):
+    ids, seq = tokens
+    a = accuracy(reference, reference, ids[:513], seq, 1)
+    b = accuracy(reference, reference, ids[:513], seq, 3)
+    assert a["reference_perplexity"] == pytest.approx(b["reference_perplexity"], rel=1e-9)
+
+
+class NaNEngine:
+    device, kv_cache = "cpu", False
+
+    def logits(self, input_ids):
+        return torch.full((*input_ids.shape, 2048), math.nan)
+
+
+def test_nan_logits_give_failing_figures(reference, tokens):
+    ids, seq = tokens
+    m = accuracy(NaNEngine(), reference, ids[:257], seq, 2)
+    assert m["ppl_increase_pct"] == math.inf and m["mean_kl"] == math.inf
+
+
+# -- verdicts on real NVFP4 exports ----------------------------------------------------------------
+def test_undamaged_nvfp4_export_passes_the_default_gates(nvfp4_export, reference, heldout):
+    spec = nvfp4_spec()
+    engine = open_engine("checkpoint", nvfp4_export / "hf")
+    report = validate(engine, reference, TINY, heldout, spec, effective_gates("nvfp4", {}), 2048)
+    m = report["metrics"]
+    assert report["passed"], report["gates"]
+    assert 0 < m["ppl_increase_pct"] < 15 and m["top1_agreement"] > 0.7 and m["mean_kl"] < 0.25
+    assert [g["name"] for g in report["gates"]] == list(effective_gates("nvfp4", {}))
+    assert report["conditions"]["eval_batch"] == 1 and report["conditions"]["device"] == "cpu"
+    assert {(p["batch_size"], p["seq_len"]) for p in m["throughput"]} == {(1, 256), (1, 64), (1, 128)}
+
+
+def test_nibble_swapped_nvfp4_export_fails_loudly(damaged_nvfp4, reference, heldout):
+    spec = nvfp4_spec()
+    engine = DequantizedCheckpointRunner(damaged_nvfp4)
+    report = validate(engine, reference, TINY, heldout, spec, effective_gates("nvfp4", {}), 2048)
+    m = report["metrics"]
+    verdicts = {g["name"]: g["passed"] for g in report["gates"]}
+    assert report["passed"] is False
+    assert m["ppl_increase_pct"] > 100.0  # measured: ~×2000
+    assert verdicts == {"max_ppl_increase_pct": False, "min_top1_agreement": False, "max_mean_kl": False,
+                        "min_throughput_tps": True}  # it is fast, just wrong
+
+
+def test_fp8_export_passes_the_tighter_fp8_gates(fp8_export, reference, heldout):
+    spec = nvfp4_spec(precision="fp8")
+    report = validate(DequantizedCheckpointRunner(fp8_export / "hf"), reference, TINY, heldout, spec,
+                      effective_gates("fp8", {}), 2048)
+    assert report["passed"], report["gates"]
+    assert report["metrics"]["ppl_increase_pct"] < 3.0
+
+
+def test_transformers_runner_is_the_reference():
+    assert isinstance(open_reference(TINY), TransformersRunner)
+
+
+def test_open_engine_refuses_unknown_backends(tmp_path):
+    with pytest.raises(StageFailed, match="onnx"):
+        open_engine("onnx", tmp_path)
+
+
+def test_trtllm_engine_validates_only_where_tensorrt_llm_is(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt_llm") is not None:
+        pytest.skip("TensorRT-LLM is installed here")
+    from kiln.errors import ToolchainMissing
+
+    with pytest.raises(ToolchainMissing, match="TensorRT-LLM is not installed"):
+        open_engine("trtllm-engine", tmp_path)
+
+
+def test_aot_inductor_package_that_does_not_load_is_stage_failed(tmp_path):
+    (tmp_path / "engine.json").write_text('{"device": "cpu"}')
+    (tmp_path / "model.pt2").write_bytes(b"not a package")
+    with pytest.raises(StageFailed, match="does not load"):
+        open_engine("aot-inductor", tmp_path)

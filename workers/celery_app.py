@@ -1,0 +1,35 @@
+"""The Celery application. Tasks are acknowledged late and rejected (requeued) when their worker process dies,
+one build at a time per worker process, with time limits; the broker is Redis in production and a SQLite file
+(``sqla+sqlite://``) in the embedded default."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from kiln.settings import get_settings
+
+BUILD_SOFT_LIMIT_S = 4 * 3600
+BUILD_HARD_LIMIT_S = BUILD_SOFT_LIMIT_S + 300
+
+
+def make_app(broker_url: str | None = None) -> Celery:
+    broker = broker_url or get_settings().broker
+    app = Celery("kiln", broker=broker, include=["workers.tasks"])
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue="kiln.default",
+        task_ignore_result=True,
+        task_soft_time_limit=BUILD_SOFT_LIMIT_S,
+        task_time_limit=BUILD_HARD_LIMIT_S,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+    if broker.startswith(("redis://", "rediss://")):
+        # Redis redelivers an unacknowledged message after this long; builds are idempotent (state in the DB)
+        app.conf.broker_transport_options = {"visibility_timeout": BUILD_HARD_LIMIT_S + 600}
+    return app
+
+
+app = make_app()

@@ -1,0 +1,54 @@
+"""Workers in the database: registration, heartbeats, and which queues have a live consumer."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from kiln.models import Worker
+
+HEARTBEAT_S = 5
+LIVE_WINDOW_S = 30
+
+
+def _aware(ts: datetime) -> datetime:
+    return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)  # SQLite returns naive datetimes
+
+
+def is_live(worker: Worker, now: datetime | None = None) -> bool:
+    now = now or datetime.now(timezone.utc)
+    return _aware(worker.last_heartbeat) >= now - timedelta(seconds=LIVE_WINDOW_S)
+
+
+def register(session: Session, name: str, capabilities: dict) -> None:
+    now = datetime.now(timezone.utc)
+    row = session.get(Worker, name)
+    if row is None:
+        session.add(Worker(name=name, queues=capabilities["queues"], capabilities=capabilities,
+                           started_at=now, last_heartbeat=now))
+    else:
+        row.queues, row.capabilities, row.started_at, row.last_heartbeat = capabilities["queues"], capabilities, now, now
+    session.commit()
+
+
+def heartbeat(session: Session, name: str) -> None:
+    row = session.get(Worker, name)
+    if row is not None:
+        row.last_heartbeat = datetime.now(timezone.utc)
+        session.commit()
+
+
+def workers_for(session: Session, queue: str) -> tuple[list[Worker], list[Worker]]:
+    """(live, all) workers that consume ``queue``."""
+    rows = [w for w in session.scalars(select(Worker)) if queue in (w.queues or [])]
+    return [w for w in rows if is_live(w)], rows
+
+
+def waiting_reason(session: Session, queue: str, backend: str, target: str) -> str:
+    live, _ = workers_for(session, queue)
+    if not live:
+        return (f"waiting for a worker that builds {backend} engines for {target} (queue {queue}); "
+                "no such worker is live")
+    return f"waiting for a free worker on queue {queue} ({len(live)} live)"

@@ -1,0 +1,130 @@
+"""Running one build row on a worker: the same Builder the CLI uses, with stage events recorded in the
+database (for ``GET /v1/builds/{id}`` and its event stream) and cancellation checked at stage boundaries.
+
+A redelivered message (worker killed, broker replay) finds the row's state: a finished build is left alone, and
+an interrupted one runs again, resuming from the stage cache (finished quantize/compile outputs are reused)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session, sessionmaker
+
+from artifacts.factory import open_store
+from builder.pipeline import STAGES, Builder
+from kiln.errors import BuildCancelled, KilnError, StorageUnavailable
+from kiln.models import TERMINAL, Build, BuildEvent
+from kiln.settings import Settings
+from kiln.spec import parse_spec
+
+log = logging.getLogger(__name__)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class EventRecorder:
+    def __init__(self, sessions: sessionmaker[Session], build_id: str):
+        self.sessions, self.build_id = sessions, build_id
+
+    def __call__(self, kind: str, data: dict) -> None:
+        with self.sessions() as s:
+            s.add(BuildEvent(build_id=self.build_id, kind=kind, data=data))
+            row = s.get(Build, self.build_id)
+            if kind == "stage" and row is not None:
+                row.stage = data["name"]
+                if data["state"] == "finished":
+                    row.stages = [st for st in (row.stages or []) if st["name"] != data["name"]] + [
+                        {"name": data["name"], "status": data["status"], "seconds": round(data["seconds"], 3)}]
+            s.commit()
+
+
+def _finish(sessions, build_id: str, status: str, **fields) -> None:
+    with sessions() as s:
+        row = s.get(Build, build_id)
+        row.status, row.finished_at, row.active_key = status, _now(), None
+        for k, v in fields.items():
+            setattr(row, k, v)
+        s.add(BuildEvent(build_id=build_id, kind="status", data={"status": status, **{
+            k: v for k, v in fields.items() if k in ("digest", "reason", "error")}}))
+        s.commit()
+
+
+def _alive(session: Session, name: str) -> bool:
+    from kiln.models import Worker
+    from workers.registry import is_live
+
+    w = session.get(Worker, name)
+    return w is not None and is_live(w)
+
+
+def run_build(build_id: str, settings: Settings, worker_name: str) -> str:
+    """Run build ``build_id``; returns its final status. StorageUnavailable propagates (the task retries it)."""
+    from kiln import db
+
+    sessions = db.session_factory(settings.db_url)
+    with sessions() as s:
+        row = s.get(Build, build_id)
+        if row is None:
+            log.warning("build %s does not exist; message dropped", build_id)
+            return "missing"
+        if row.status in TERMINAL:
+            return row.status
+        if row.status == "running" and row.worker and row.worker != worker_name and _alive(s, row.worker):
+            log.info("build %s is running on live worker %s; duplicate message dropped", build_id, row.worker)
+            return "running"
+        if row.cancel_requested:
+            s.close()
+            _finish(sessions, build_id, "cancelled", reason="cancelled before it started")
+            return "cancelled"
+        # Claim it atomically: the update matches only the state we read (attempts is the version), so of two
+        # workers handed the same build (a redelivered or re-enqueued message) exactly one proceeds.
+        claimed = s.execute(update(Build).where(Build.id == build_id, Build.status == row.status,
+                                                Build.attempts == row.attempts)
+                            .values(status="running", started_at=_now(), worker=worker_name, reason=None,
+                                    attempts=(row.attempts or 0) + 1)).rowcount
+        if not claimed:
+            s.rollback()
+            return "claimed-elsewhere"
+        spec_data = row.spec
+        s.add(BuildEvent(build_id=build_id, kind="status", data={"status": "running", "worker": worker_name}))
+        s.commit()
+
+    def cancelled() -> bool:
+        with sessions() as s2:
+            return bool(s2.get(Build, build_id).cancel_requested)
+
+    store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
+    builder = Builder(settings, store, sessions, on_event=EventRecorder(sessions, build_id), should_cancel=cancelled)
+    try:
+        outcome = builder.build(parse_spec(spec_data, settings.roots))
+    except BuildCancelled:
+        _finish(sessions, build_id, "cancelled", reason="cancelled at a stage boundary; nothing was published")
+        return "cancelled"
+    except StorageUnavailable as exc:
+        with sessions() as s:
+            row = s.get(Build, build_id)
+            row.status, row.reason = "queued", f"retrying after a storage error: {exc}"
+            s.commit()
+        raise
+    except KilnError as exc:
+        _finish(sessions, build_id, "failed", error=exc.to_dict(), reason=exc.code)
+        return "failed"
+    except Exception as exc:  # a bug or a library crash: recorded, not retried
+        log.exception("build %s crashed", build_id)
+        _finish(sessions, build_id, "failed", error={"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"},
+                reason="internal_error")
+        return "failed"
+    stages = [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3)} for s in outcome.stages]
+    assert [s["name"] for s in stages] == list(STAGES)
+    if outcome.status == "succeeded":
+        _finish(sessions, build_id, "succeeded", digest=outcome.digest, build_key=outcome.build_key, stages=stages,
+                stage=None)
+    else:
+        _finish(sessions, build_id, "failed", digest=outcome.digest, build_key=outcome.build_key, stages=stages,
+                reason="validation", error={"code": "validation_failed",
+                                            "message": "the engine failed validation; stored as rejected"})
+    return outcome.status

@@ -1,0 +1,84 @@
+"""Submitting builds (the service side): answer from an existing artifact when its BuildKey is already built,
+join the identical build that is queued or running (the database's unique ``active_key`` decides, not timing),
+or create the build row, commit, and only then enqueue it."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from builder.pipeline import Builder
+from kiln.keys import build_key
+from kiln.models import Artifact, Build
+from kiln.settings import Settings
+from kiln.spec import BuildSpec
+from workers.capabilities import queue_name
+from workers.registry import waiting_reason, workers_for
+
+Enqueue = Callable[[str, str], None]
+
+
+@dataclass
+class Submitted:
+    outcome: str  # created | existing-build | existing-artifact
+    build: Build | None
+    artifact: Artifact | None = None
+
+
+def candidate_keys(session: Session, prepared, queue: str) -> set[str]:
+    """BuildKeys the workers serving ``queue`` would compute (live ones first, else any known, else ours)."""
+    live, known = workers_for(session, queue)
+    toolchains = [w.capabilities.get("toolchains", {}).get(queue) for w in (live or known)]
+    keys = {build_key(prepared.resolved.digest, prepared.spec, tc, prepared.gates, prepared.data)
+            for tc in toolchains if tc}
+    return keys or {prepared.build_key}
+
+
+def submit(settings: Settings, sessions: sessionmaker[Session], spec: BuildSpec, enqueue: Enqueue) -> Submitted:
+    prepared, _ = Builder(settings, None, sessions).prepare(spec, check_environment=False)
+    queue = queue_name(spec.backend, spec.target)
+    with sessions() as session:
+        keys = candidate_keys(session, prepared, queue)
+        artifact = session.scalars(select(Artifact).where(Artifact.build_key.in_(keys), Artifact.status != "revoked")
+                                   .order_by(Artifact.created_at.desc())).first()
+        if artifact is not None:
+            producer = session.scalars(select(Build).where(Build.digest == artifact.digest)
+                                       .order_by(Build.created_at)).first()
+            return Submitted("existing-artifact", producer, artifact)
+        build = Build(id=uuid.uuid4().hex, request_key=prepared.request_key, active_key=prepared.request_key,
+                      spec=spec.model_dump(), queue=queue, status="queued", stages=[], attempts=0,
+                      cancel_requested=False, reason=waiting_reason(session, queue, spec.backend, spec.target))
+        session.add(build)
+        try:
+            session.commit()
+        except IntegrityError:
+            session.rollback()
+            existing = session.scalars(select(Build).where(Build.active_key == prepared.request_key)).first()
+            if existing is not None:
+                return Submitted("existing-build", existing)
+            raise
+    enqueue_after_commit(sessions, build, enqueue)
+    return Submitted("created", build)
+
+
+def enqueue_after_commit(sessions: sessionmaker[Session], build: Build, enqueue: Enqueue) -> None:
+    """The row is committed: a worker that receives the message always finds it."""
+    try:
+        enqueue(build.id, build.queue)
+    except Exception as exc:  # broker down: the build stays queued; the reconciler re-enqueues it
+        with sessions() as session:
+            row = session.get(Build, build.id)
+            row.reason = f"not yet handed to the broker ({type(exc).__name__}: {exc}); it will be re-enqueued"
+            session.commit()
+            build.reason = row.reason
+
+
+def celery_enqueue(build_id: str, queue: str) -> None:
+    from workers.tasks import run_build
+
+    run_build.apply_async(args=[build_id], queue=queue)
