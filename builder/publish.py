@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.interfaces import BlobStore
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_engine_image, push_referrer
-from kiln.models import Artifact
+from kiln.models import Artifact, Referrer, Tag, TagEvent, TrackedModel, utcnow
 from kiln.spec import BuildSpec
 
 PROVENANCE_TYPE = "application/vnd.kiln.provenance.v1+json"
@@ -43,6 +43,27 @@ def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: b
     }
 
 
+def is_stale_now(session: Session, repository: str, revision: str | None) -> bool:
+    """True when ``repository`` is a tracked model whose head is no longer ``revision``."""
+    model = session.get(TrackedModel, repository)
+    return model is not None and model.head_sha is not None and revision != model.head_sha
+
+
+def move_tag(session: Session, repository: str, name: str, digest: str | None, *, reason: str) -> None:
+    """Point ``repository:name`` at ``digest`` (None removes it), recording the move. Caller commits."""
+    tag = session.get(Tag, (repository, name))
+    old = tag.digest if tag else None
+    if old == digest:
+        return
+    if digest is None:
+        session.delete(tag)
+    elif tag is None:
+        session.add(Tag(repository=repository, name=name, digest=digest, updated_at=utcnow()))
+    else:
+        tag.digest, tag.updated_at = digest, utcnow()
+    session.add(TagEvent(repository=repository, name=name, old_digest=old, new_digest=digest, reason=reason))
+
+
 def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path, *, spec: BuildSpec,
             build_key: str, provenance: dict, validation: dict, request_key: str | None = None) -> Artifact:
     passed = bool(validation.get("passed"))
@@ -50,9 +71,10 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
     labels = {k: v for k, v in annotations.items() if k.startswith(ANNOTATION_PREFIX)}
     image = push_engine_image(store, engine_dir, annotations=annotations, labels=labels)
     payload = json.dumps({"provenance": provenance, "validation": validation}, sort_keys=True, indent=1).encode()
-    push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
-                  artifact_type=PROVENANCE_TYPE, payload=payload, payload_media_type=PROVENANCE_TYPE,
-                  annotations={f"{ANNOTATION_PREFIX}.build-key": build_key})
+    ref_annotations = {f"{ANNOTATION_PREFIX}.build-key": build_key}
+    ref_digest = push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
+                               artifact_type=PROVENANCE_TYPE, payload=payload, payload_media_type=PROVENANCE_TYPE,
+                               annotations=ref_annotations)
     row = Artifact(
         digest=image.digest, build_key=build_key, request_key=request_key, repository=spec.model_name, tag=tag_for(spec),
         status="fresh" if passed else "rejected", precision=spec.precision, target=spec.target,
@@ -61,7 +83,14 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
         size=image.size + sum(layer.size for layer in image.layers), provenance=provenance, validation=validation,
     )
     with sessions() as session:
+        if passed and is_stale_now(session, spec.model_name, provenance["checkpoint"]["revision"]):
+            row.status = "stale"  # the tracked branch moved while this engine was building
         session.add(row)
+        session.add(Referrer(digest=ref_digest, subject=image.digest, repository=spec.model_name,
+                             artifact_type=PROVENANCE_TYPE, size=store.stat(ref_digest).size,
+                             annotations=ref_annotations))
+        if row.status == "fresh":
+            move_tag(session, spec.model_name, row.tag, image.digest, reason=f"published {build_key}")
         try:
             session.commit()
         except IntegrityError:  # someone published the same key first: theirs answers

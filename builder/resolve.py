@@ -55,7 +55,8 @@ def _fingerprint(directory: Path) -> str:
         if any(part.startswith(".") for part in rel.parts) or not path.is_file():
             continue
         st = path.stat()
-        entries.append([rel.as_posix(), st.st_size, st.st_mtime_ns, st.st_ino])
+        # ctime changes on every write and cannot be set back by utime(), unlike mtime
+        entries.append([rel.as_posix(), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
     return sha256_json({"dir": str(directory), "entries": entries})
 
 
@@ -135,8 +136,12 @@ def _resolve_s3(ref: str, cache_root: Path, endpoint_url: str | None) -> Resolve
         staging = cache_root / f"staging-{uuid.uuid4().hex}"
         for obj in listing:
             rel = obj["key"][len(prefix):]
-            if not rel or rel.endswith("/") or ".." in rel.split("/"):
-                continue
+            parts = rel.split("/")
+            if not rel or rel.endswith("/"):
+                continue  # folder marker objects
+            if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+                raise CheckpointNotFound(f"{ref} holds an object key that escapes its prefix: {obj['key']!r}",
+                                         field="checkpoint", fix="remove keys with '//', '.' or '..' segments")
             dest = staging / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             client.download_file(bucket, obj["key"], str(dest))

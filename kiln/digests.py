@@ -16,7 +16,7 @@ CHUNK = 1 << 20
 
 def parse_digest(value: str, *, field: str = "digest") -> str:
     """Return ``value`` if it is a well-formed sha256 digest, else raise InvalidDigest naming ``field``."""
-    if not isinstance(value, str) or not DIGEST_RE.match(value):
+    if not isinstance(value, str) or not DIGEST_RE.fullmatch(value):
         raise InvalidDigest(
             f"{value!r} is not a digest", field=field, fix="use the form sha256:<64 lowercase hex digits>"
         )

@@ -24,7 +24,7 @@ def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, s
     return sha256_json({
         "stage": "quantize", "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest,
         "precision": spec.precision, "kv_cache": spec.kv_cache, "tp_size": spec.tp_size,
-        "calibration": spec.calibration.model_dump(), "calibration_data": calibration_data,
+        "calibration": spec.calibration.model_dump(exclude={"dataset"}), "calibration_data": calibration_data,
         "toolchain": {k: toolchain.get(k) for k in ("torch", "modelopt", "transformers")},
     })
 

@@ -114,6 +114,9 @@ class KilnLlama(nn.Module):
         arch = (c.get("architectures") or ["?"])[0]
         if c.get("model_type") != "llama":
             raise StageFailed(f"architecture {arch} is not supported by the aot-inductor backend (Llama only)")
+        if c.get("attention_bias") or c.get("mlp_bias") or any(k.endswith(".bias") for k in w):
+            raise StageFailed("Llama variants with linear biases are not supported by the aot-inductor backend",
+                              fix="use --backend checkpoint or trtllm-engine")
         act = {"FP8": "fp8", "NVFP4": "nvfp4"}.get(ckpt.quant_algo or "", "none")
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(Layer(ckpt, i, act) for i in range(int(c["num_hidden_layers"])))

@@ -107,3 +107,59 @@ class Worker(Base):
     capabilities: Mapped[dict] = mapped_column(JSON)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+
+class Referrer(Base):
+    """An OCI artifact manifest whose ``subject`` is an engine (provenance, validation report, signatures)."""
+
+    __tablename__ = "referrers"
+
+    digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    subject: Mapped[str] = mapped_column(DIGEST, index=True)
+    repository: Mapped[str] = mapped_column(String(255))
+    artifact_type: Mapped[str] = mapped_column(String(255))
+    size: Mapped[int] = mapped_column(BigInteger)
+    annotations: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Tag(Base):
+    """``<repository>:<name>`` → engine digest. Moves only to validated, fresh engines."""
+
+    __tablename__ = "tags"
+
+    repository: Mapped[str] = mapped_column(String(255), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    digest: Mapped[str] = mapped_column(DIGEST)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TagEvent(Base):
+    """Every tag move, for audit and rollback."""
+
+    __tablename__ = "tag_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    repository: Mapped[str] = mapped_column(String(255), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    old_digest: Mapped[str | None] = mapped_column(DIGEST, nullable=True)
+    new_digest: Mapped[str | None] = mapped_column(DIGEST, nullable=True)
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TrackedModel(Base):
+    """A model whose checkpoint branch Kiln follows: when the head moves, engines of the old head go stale and
+    the registered matrix is rebuilt for the new one."""
+
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    checkpoint: Mapped[str] = mapped_column(Text)  # hf://org/name@branch
+    hf_repo: Mapped[str | None] = mapped_column(String(255), index=True, nullable=True)
+    branch: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    head_sha: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    matrix: Mapped[list] = mapped_column(JSON, default=list)
+    gates: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

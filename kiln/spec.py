@@ -97,7 +97,9 @@ class BuildSpec(BaseModel):
         return {
             "precision": self.precision, "kv_cache": self.kv_cache, "profile": self.batch_profile.limits(),
             "target": self.target, "backend": self.backend, "tp_size": self.tp_size,
-            "calibration": self.calibration.model_dump(), "evaluation": self.evaluation.model_dump(),
+            # datasets enter keys by content digest (passed separately), never by name or path
+            "calibration": self.calibration.model_dump(exclude={"dataset"}),
+            "evaluation": self.evaluation.model_dump(exclude={"dataset"}),
         }
 
 
@@ -113,6 +115,9 @@ def normalize_target(value: str) -> tuple[str | None, dict | None]:
         return v, None
     if v in GPU_NAMES:
         return GPU_NAMES[v], None
+    if v.startswith("sm") and v[2:].isdigit() and int(v[2:]) >= 89:
+        return None, _bad("target", f"{value!r} is not an architecture Kiln builds for",
+                          f"use one of {', '.join(GPU_ARCHS)} (or cpu)")
     if v in OLD_GPUS or (v.startswith("sm") and v[2:].isdigit()):
         sm = OLD_GPUS.get(v) or int(v[2:])
         return None, _bad("target", f"{value!r} is sm{sm}; FP8 needs sm89+ and NVFP4 engines sm100+",
@@ -179,9 +184,10 @@ def _rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
         if prof not in PROFILES:
             errs.append(_bad("profile", f"unknown profile {prof!r}",
                              f"use one of: {', '.join(PROFILES)}, or give max_batch_size, max_input_len, max_seq_len, max_num_tokens"))
-            return errs
-        d["profile"] = PROFILES[prof]
-        prof = d["profile"].model_dump()
+            prof = PROFILES["latency"].model_dump()  # keep checking the other fields
+        else:
+            d["profile"] = PROFILES[prof]
+            prof = d["profile"].model_dump()
     ints = {f"profile.{k}": prof.get(k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")}
     ints |= {"tp_size": d["tp_size"], "calibration.samples": d["calibration"].samples,
              "calibration.seq_len": d["calibration"].seq_len, "evaluation.seq_len": d["evaluation"].seq_len,
@@ -196,6 +202,10 @@ def _rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
     if prof["max_num_tokens"] < prof["max_batch_size"]:
         errs.append(_bad("profile.max_num_tokens", f"{prof['max_num_tokens']} is below max_batch_size {prof['max_batch_size']}",
                          "make max_num_tokens ≥ max_batch_size"))
+    if prof["max_num_tokens"] > prof["max_batch_size"] * prof["max_seq_len"]:
+        errs.append(_bad("profile.max_num_tokens",
+                         f"{prof['max_num_tokens']} exceeds max_batch_size × max_seq_len = {prof['max_batch_size'] * prof['max_seq_len']}",
+                         "lower max_num_tokens (a batch can never hold more tokens; trtllm-build would cap it)"))
     if d["tp_size"] & (d["tp_size"] - 1):
         errs.append(_bad("tp_size", f"{d['tp_size']} is not a power of two", "use 1, 2, 4 or 8"))
     errs += _target_rules(d)
@@ -227,14 +237,30 @@ def _target_rules(d: dict[str, Any]) -> list[dict]:
     return errs
 
 
+def _type_errors(exc: ValidationError) -> list[dict]:
+    """Pydantic's errors as field paths. ``profile`` is a union (name | limits): report the branch the value
+    was meant for (an object → its limits, a string → the name) under the plain path profile.<limit>."""
+    out = []
+    for e in exc.errors():
+        loc = [str(p) for p in e["loc"]]
+        if loc[:1] == ["profile"] and len(loc) > 1:
+            branch = loc[1]
+            meant = "BatchProfile" if isinstance(e.get("input"), (dict, int)) or len(loc) > 2 else "str"
+            if branch in ("BatchProfile", "str") and branch != meant and not (branch == "str" and len(loc) == 2 and
+                                                                              not any(x["loc"][:2] == ("profile", "BatchProfile") for x in exc.errors())):
+                continue
+            loc = ["profile"] + loc[2:]
+        out.append(_bad(".".join(loc) or "spec", e["msg"], "see the BuildSpec schema (GET /openapi.json) for the field's type"))
+    return out or [_bad("spec", "invalid", "see the BuildSpec schema (GET /openapi.json)")]
+
+
 def parse_spec(data: dict[str, Any], roots: list[Path]) -> BuildSpec:
     """Check ``data`` against every rule; raise SpecError (all violations in ``details``) or return the spec
     with its profile expanded and its target canonical."""
     try:
         raw = BuildSpec.model_validate(data)
     except ValidationError as exc:
-        details = [_bad(".".join(str(p) for p in e["loc"]) or "spec", e["msg"],
-                        "see the BuildSpec schema (GET /openapi.json) for the field's type") for e in exc.errors()]
+        details = _type_errors(exc)
         raise SpecError(details[0]["message"], field=details[0]["field"], fix=details[0]["fix"],
                         details=details) from None
     d = raw.model_dump()

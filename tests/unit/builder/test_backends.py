@@ -170,10 +170,6 @@ def test_check_does_not_modify_the_config():
     assert cfg == before
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: kiln/spec.py:196 (_rules) accepts a trtllm-engine profile with max_num_tokens > "
-                   "max_batch_size × max_seq_len; trtllm-build caps it to that product "
-                   "(tensorrt_llm/_common.py check_max_num_tokens), so check_engine_config "
-                   "(builder/backends/trtllm.py:57) rejects the built engine only after the whole build")
 def test_trtllm_spec_cannot_ask_for_more_tokens_than_batch_times_sequence():
     prof = {"max_batch_size": 1, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 4096}
     try:

@@ -152,9 +152,6 @@ def test_replaced_file_invalidates_the_memo(ckpt, cache):
     assert not cached and again.digest != first.digest
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: builder/resolve.py:50-59,71 (_fingerprint, _resolve_local) trusts (size, mtime_ns, inode) alone; a "
-                   "same-size in-place rewrite within one timestamp tick (racy-git case; simulated by restoring the "
-                   "mtime) returns the OLD digest from the memo, cached=True, so a changed checkpoint keeps its key")
 def test_same_size_in_place_rewrite_with_unchanged_mtime_is_detected(ckpt, cache):
     first, _ = resolve(ckpt, cache)
     path = ckpt / "config.json"
@@ -356,10 +353,6 @@ def test_s3_prefix_without_config_json_is_checkpoint_not_found(s3_client, s3_end
         resolve("s3://ckpts/models/nothing-here", cache, s3_endpoint_url=s3_endpoint)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: builder/resolve.py:137-140 (_resolve_s3) joins the key's remainder after the prefix "
-                   "onto the staging dir; a key with '//' after the prefix leaves an absolute remainder, and "
-                   "Path(staging) / '/abs/path' is '/abs/path', so a bucket writer can place files anywhere on the "
-                   "worker's disk")
 def test_s3_object_key_cannot_write_outside_the_cache(s3_client, s3_endpoint, cache, tmp_path):
     target = tmp_path / "outside" / "escaped.txt"
     s3_client.put_object(Bucket="ckpts", Key="models/evil/config.json", Body=b"{}")

@@ -36,8 +36,6 @@ def test_parse_digest_refuses_malformed_naming_the_field(value):
     assert info.value.fix
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: kiln/digests.py:13 DIGEST_RE ends in '$', which also matches before a "
-                   "trailing newline, so parse_digest accepts 'sha256:<64 hex>\\n' (a different storage key)")
 def test_parse_digest_refuses_a_trailing_newline():
     with pytest.raises(InvalidDigest):
         parse_digest("sha256:" + "0" * 64 + "\n")

@@ -111,9 +111,6 @@ def test_matches_transformers_on_other_llama_shapes(config):
         assert (KilnLlama(ckpt)(ids) - model(ids).logits).abs().max().item() < 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: kiln/llama.py:38-50,76 QLinear has no bias and Layer never reads "
-                   "*_proj.bias, so a Llama with attention_bias/mlp_bias loads without error and computes different "
-                   "logits (max |diff| ≈ 0.5 on a random model) instead of matching or raising StageFailed")
 @pytest.mark.parametrize("config", [{"attention_bias": True}, {"mlp_bias": True}])
 def test_llama_with_biases_matches_or_is_refused(config):
     model, ckpt = _random_llama(**config)
