@@ -25,6 +25,16 @@ class KilnGroup(click.Group):
         except KilnError as exc:
             click.echo(f"kiln: error: {exc}", err=True)
             sys.exit(exit_code(exc))
+        except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # a bug or an environment failure: one line, exit 3 (KILN_DEBUG=1 for the trace)
+            import os
+
+            if os.environ.get("KILN_DEBUG"):
+                raise
+            click.echo(f"kiln: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                       err=True)
+            sys.exit(3)
 
 
 def _quiet_libraries() -> None:
@@ -243,8 +253,20 @@ def artifacts_show(digest: str) -> None:
 @main.command()
 @click.argument("ref")
 @click.argument("dest", type=click.Path(path_type=Path))
-def pull(ref: str, dest: Path) -> None:
+@click.option("--server", help="pull from a remote Kiln's /v2 registry API (http://host:8000) instead of the local store")
+def pull(ref: str, dest: Path, server: str | None) -> None:
     """Pull engine REF ([model@]sha256:...) into DEST, verifying every blob against its digest."""
+    if server:
+        from api.pull import pull_remote
+
+        got = pull_remote(server, ref, dest)
+        note = ""
+        if got.status not in (None, "fresh"):
+            note = f" (warning: this engine is {got.status})"
+            click.echo(f"kiln: warning: {got.repository}@{got.digest} is {got.status} on {server}; "
+                       "pulled anyway (pinned by digest)", err=True)
+        click.echo(f"pulled {got.repository}@{got.digest} from {server} into {dest}{note}")
+        return
     from artifacts.oci import pull_image
 
     _, store, sessions = _context()

@@ -41,13 +41,14 @@ class Artifact(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     provenance: Mapped[dict] = mapped_column(JSON)
     validation: Mapped[dict] = mapped_column(JSON)
+    status_reason: Mapped[str | None] = mapped_column(Text, nullable=True)  # why stale / revoked / rejected
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     def summary(self) -> dict:
         v = self.validation or {}
         return {
             "digest": self.digest, "build_key": self.build_key, "repository": self.repository, "tag": self.tag,
-            "status": self.status, "precision": self.precision, "target": self.target, "profile": self.profile,
+            "status": self.status, "status_reason": self.status_reason, "precision": self.precision, "target": self.target, "profile": self.profile,
             "backend": self.backend, "checkpoint": {"ref": self.checkpoint_ref, "digest": self.checkpoint_digest,
                                                     "revision": self.checkpoint_revision},
             "size": self.size, "validation": {"passed": v.get("passed")},

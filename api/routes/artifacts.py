@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query
+from typing import Any
+
+from fastapi import APIRouter, Body, Query
 from sqlalchemy import select
 
 from api.deps import SessionDep
+from builder.publish import move_tag
+from kiln.errors import SpecError
+from kiln.models import Tag
 from api.schemas import artifact_read
 from kiln.digests import parse_digest
 from kiln.errors import ArtifactUnknown
@@ -36,4 +41,20 @@ def get_artifact(digest: str, session: SessionDep):
     row = session.get(Artifact, parse_digest(digest))
     if row is None:
         raise ArtifactUnknown(f"no engine {digest}", field="digest", fix="list engines with GET /v1/artifacts")
+    return artifact_read(row)
+
+
+@router.post("/{digest}/revoke")
+def revoke_artifact(digest: str, session: SessionDep, body: Any = Body(None)):
+    """Withdraw an engine: never resolved or tagged again (still pullable by digest, marked revoked)."""
+    reason = body.get("reason") if isinstance(body, dict) else None
+    if not isinstance(reason, str) or not reason.strip():
+        raise SpecError("a reason is required", field="reason", fix='send {"reason": "why this engine is withdrawn"}')
+    row = session.get(Artifact, parse_digest(digest))
+    if row is None:
+        raise ArtifactUnknown(f"no engine {digest}", field="digest", fix="list engines with GET /v1/artifacts")
+    row.status, row.status_reason = "revoked", reason.strip()[:1000]
+    for tag in session.scalars(select(Tag).where(Tag.repository == row.repository, Tag.digest == row.digest)).all():
+        move_tag(session, row.repository, tag.name, None, reason=f"revoked: {row.status_reason}")
+    session.commit()
     return artifact_read(row)

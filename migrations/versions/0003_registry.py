@@ -14,6 +14,8 @@ depends_on = None
 
 
 def upgrade() -> None:
+    with op.batch_alter_table("artifacts") as batch:
+        batch.add_column(sa.Column("status_reason", sa.Text(), nullable=True))
     op.create_table(
         "referrers",
         sa.Column("digest", sa.String(71), primary_key=True),
@@ -63,3 +65,5 @@ def downgrade() -> None:
     op.drop_table("tag_events")
     op.drop_table("tags")
     op.drop_table("referrers")
+    with op.batch_alter_table("artifacts") as batch:
+        batch.drop_column("status_reason")

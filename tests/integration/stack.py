@@ -124,6 +124,9 @@ class Stack:
     def post(self, path: str, body) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=120)
 
+    def put(self, path: str, body) -> httpx.Response:
+        return httpx.put(self.url + path, json=body, timeout=120)
+
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, timeout=30)
 

@@ -1,0 +1,103 @@
+"""/v1/models (tracked models), the Hugging Face webhook, and /v1/resolve (which engine to deploy)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Body, Header, Query, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import select
+
+from api.deps import SessionDep, SessionsDep, SettingsDep
+from api.schemas import artifact_answer, build_read
+from kiln.errors import SpecError
+from kiln.models import TrackedModel
+from workers.freshness import models_for_webhook, refresh_model, register_model, webhook_secret_ok
+from workers.resolution import resolve_engine
+
+router = APIRouter(tags=["models"])
+MAX_WEBHOOK_BYTES = 1 << 20
+
+
+def model_read(m: TrackedModel) -> dict:
+    return {"name": m.name, "checkpoint": m.checkpoint, "hf_repo": m.hf_repo, "branch": m.branch,
+            "head_sha": m.head_sha, "matrix": m.matrix, "gates": m.gates,
+            "updated_at": m.updated_at.isoformat() if m.updated_at else None}
+
+
+def refresh_read(r) -> dict:
+    builds = [artifact_answer(b.artifact, b.build) if b.artifact else build_read(b.build) for b in r.builds]
+    return {"model": model_read(r.model), "moved": r.moved, "previous_head": r.old_head, "builds": builds}
+
+
+@router.put("/v1/models/{model:path}")
+def put_model(model: str, request: Request, settings: SettingsDep, sessions: SessionsDep, body: Any = Body(None)):
+    """Track a model: {"checkpoint": "hf://org/name@branch", "matrix": [{precision, profile, target, backend}]}."""
+    return refresh_read(register_model(settings, sessions, model, body, request.app.state.enqueue))
+
+
+@router.get("/v1/models")
+def list_models(session: SessionDep):
+    """Tracked models and their current heads."""
+    return {"models": [model_read(m) for m in session.scalars(select(TrackedModel).order_by(TrackedModel.name))]}
+
+
+@router.post("/v1/models/{model:path}/refresh")
+def refresh(model: str, request: Request, settings: SettingsDep, sessions: SessionsDep):
+    """Poll the tracked branch (for sources without webhooks)."""
+    return refresh_read(refresh_model(settings, sessions, model, request.app.state.enqueue))
+
+
+@router.get("/v1/models/{model:path}")
+def get_model(model: str, session: SessionDep):
+    """One tracked model."""
+    row = session.get(TrackedModel, model)
+    if row is None:
+        return JSONResponse({"error": {"code": "model_unknown", "field": "model", "message": f"{model!r} is not tracked",
+                                       "fix": "register it with PUT /v1/models/{model}"}}, status_code=404)
+    return model_read(row)
+
+
+@router.post("/v1/webhooks/huggingface")
+async def huggingface_webhook(request: Request, settings: SettingsDep, sessions: SessionsDep,
+                              x_webhook_secret: str | None = Header(None)):
+    """The Hub's webhook: a moved tracked branch marks old engines stale and builds the new head."""
+    if not webhook_secret_ok(settings.webhook_secret, x_webhook_secret):
+        return JSONResponse({"error": {"code": "unauthorized", "field": "X-Webhook-Secret",
+                                       "message": "missing or wrong webhook secret",
+                                       "fix": "set the secret configured as KILN_WEBHOOK_SECRET in the Hub webhook"}},
+                            status_code=401)
+    raw = await request.body()
+    if len(raw) > MAX_WEBHOOK_BYTES:
+        return JSONResponse({"error": {"code": "too_large", "field": "body", "message": "payload over 1 MiB",
+                                       "fix": "send the Hub's payload"}}, status_code=413)
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        raise SpecError("the body is not JSON", field="body", fix="send the Hub's JSON payload") from None
+    from starlette.concurrency import run_in_threadpool
+
+    names = models_for_webhook(sessions, payload)
+    results = []
+    for name in names:
+        r = await run_in_threadpool(refresh_model, settings, sessions, name, request.app.state.enqueue)
+        results.append({"model": name, "moved": r.moved, "head_sha": r.model.head_sha, "previous_head": r.old_head,
+                        "builds": [b.build.id if b.build else None for b in r.builds]})
+    return {"handled": results}
+
+
+@router.get("/v1/resolve")
+def resolve(session: SessionDep, model: str = Query(..., max_length=255), precision: str = Query(..., max_length=16),
+            profile: str = Query(..., max_length=64), target: str = Query(..., max_length=32),
+            backend: str = Query(..., max_length=32), runtime: str | None = Query(None, max_length=255)):
+    """Exactly one servable engine for (model, precision, profile, target, backend[, runtime]), or why not."""
+    r = resolve_engine(session, model=model, precision=precision, profile=profile, target=target, backend=backend,
+                       runtime=runtime)
+    if r.artifact is None:
+        return JSONResponse({"error": {"code": r.code, "message": r.reason, "field": "model",
+                                       "fix": "wait for the build, or register/refresh the model"}},
+                            status_code=r.status)
+    a = r.artifact
+    return {"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status,
+            "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance}

@@ -1,0 +1,157 @@
+"""Freshness: tracked models follow a Hugging Face branch. When its head moves (webhook or poll), engines of
+the old head become stale, tags stop pointing at them, and the registered matrix is built for the new head.
+
+The head is always re-resolved from the Hub (or the local Hub cache offline), never taken from a webhook
+payload, so replayed and out-of-order deliveries are harmless: they can only confirm the current head."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from builder.publish import move_tag
+from builder.resolve import resolve_checkpoint
+from kiln.errors import SpecError
+from kiln.models import Artifact, Tag, TrackedModel, utcnow
+from kiln.settings import Settings
+from kiln.spec import MODEL_NAME_RE, parse_spec
+from workers.submit import Enqueue, Submitted, submit
+
+MATRIX_FIELDS = {"precision", "profile", "target", "backend", "kv_cache", "tp_size", "calibration", "evaluation", "gates"}
+
+
+@dataclass
+class Refresh:
+    model: TrackedModel
+    moved: bool
+    old_head: str | None
+    builds: list[Submitted]
+
+
+def parse_tracked_checkpoint(ref: str) -> tuple[str, str]:
+    if not isinstance(ref, str) or not ref.startswith("hf://"):
+        raise SpecError("a tracked model follows a Hugging Face branch", field="checkpoint",
+                        fix="give hf://org/name@branch")
+    repo, _, branch = ref[5:].partition("@")
+    if not repo or "/" not in repo:
+        raise SpecError(f"{ref!r} is not hf://org/name@branch", field="checkpoint", fix="give hf://org/name@branch")
+    return repo, branch or "main"
+
+
+def check_model_name(name: str) -> None:
+    if not MODEL_NAME_RE.match(name or ""):
+        raise SpecError(f"{name!r} is not a valid model name", field="model",
+                        fix="use lowercase letters, digits, '.', '_', '-' and '/' separators, e.g. acme/tiny")
+
+
+def head_of(settings: Settings, repo: str, branch: str) -> str:
+    resolved, _ = resolve_checkpoint(f"hf://{repo}@{branch}", cache_root=settings.cache_dir / "resolve",
+                                     s3_endpoint_url=settings.s3_endpoint_url)
+    return resolved.revision
+
+
+def mark_stale(session: Session, model: TrackedModel) -> int:
+    """Engines of ``model`` built from anything but its head become stale; tags stop naming them."""
+    rows = session.scalars(select(Artifact).where(Artifact.repository == model.name, Artifact.status == "fresh",
+                                                  Artifact.checkpoint_revision != model.head_sha)).all()
+    for a in rows:
+        a.status, a.status_reason = "stale", f"{model.hf_repo}@{model.branch} moved to {model.head_sha}"
+        for tag in session.scalars(select(Tag).where(Tag.repository == model.name, Tag.digest == a.digest)).all():
+            move_tag(session, model.name, tag.name, None, reason=f"stale: head moved to {model.head_sha}")
+    return len(rows)
+
+
+def build_matrix(settings: Settings, sessions: sessionmaker[Session], model: TrackedModel,
+                 enqueue: Enqueue) -> list[Submitted]:
+    out = []
+    for entry in model.matrix:
+        spec = parse_spec({**entry, "gates": {**model.gates, **entry.get("gates", {})}, "model_name": model.name,
+                           "checkpoint": f"hf://{model.hf_repo}@{model.head_sha}"}, settings.roots)
+        out.append(submit(settings, sessions, spec, enqueue))
+    return out
+
+
+def register_model(settings: Settings, sessions: sessionmaker[Session], name: str, body: dict,
+                   enqueue: Enqueue) -> Refresh:
+    """PUT /v1/models/{name}: validate every matrix entry before anything is written, then track and build."""
+    check_model_name(name)
+    if not isinstance(body, dict):
+        raise SpecError("the body must be a JSON object", field="body", fix='send {"checkpoint": ..., "matrix": [...]}')
+    repo, branch = parse_tracked_checkpoint(body.get("checkpoint"))
+    matrix, gates = body.get("matrix"), body.get("gates") or {}
+    if not isinstance(matrix, list) or not 1 <= len(matrix) <= 64:
+        raise SpecError("matrix must list 1 to 64 entries", field="matrix", fix="give [{precision, profile, target, backend}, ...]")
+    for i, entry in enumerate(matrix):
+        extra = set(entry) - MATRIX_FIELDS if isinstance(entry, dict) else {"(not an object)"}
+        if extra:
+            raise SpecError(f"unknown fields {sorted(extra)}", field=f"matrix.{i}", fix=f"use only {sorted(MATRIX_FIELDS)}")
+        try:  # the same rules a build applies, checked now (a placeholder sha: only the shape matters here)
+            parse_spec({**entry, "model_name": name, "checkpoint": f"hf://{repo}@{'0' * 40}",
+                        "gates": {**gates, **entry.get("gates", {})}}, settings.roots)
+        except SpecError as exc:
+            raise SpecError(exc.message, field=f"matrix.{i}.{exc.field}", fix=exc.fix) from None
+    head = head_of(settings, repo, branch)
+    with sessions() as s:
+        model = s.get(TrackedModel, name)
+        old = model.head_sha if model else None
+        if model is None:
+            model = TrackedModel(name=name, created_at=utcnow())
+            s.add(model)
+        model.checkpoint, model.hf_repo, model.branch, model.head_sha = body["checkpoint"], repo, branch, head
+        model.matrix, model.gates, model.updated_at = matrix, gates, utcnow()
+        mark_stale(s, model)
+        s.commit()
+    return Refresh(model, old is not None and old != head, old, build_matrix(settings, sessions, model, enqueue))
+
+
+def refresh_model(settings: Settings, sessions: sessionmaker[Session], name: str, enqueue: Enqueue) -> Refresh:
+    """Re-resolve the tracked branch; when it moved, mark stale and build the matrix for the new head."""
+    with sessions() as s:
+        model = s.get(TrackedModel, name)
+        if model is None:
+            from kiln.errors import ArtifactUnknown
+
+            raise ArtifactUnknown(f"model {name!r} is not tracked", field="model", fix="register it with PUT /v1/models/{model}")
+        repo, branch = model.hf_repo, model.branch
+    head = head_of(settings, repo, branch)
+    with sessions() as s:
+        model = s.get(TrackedModel, name)
+        old = model.head_sha
+        moved = head != old
+        if moved:
+            model.head_sha, model.updated_at = head, utcnow()
+            mark_stale(s, model)
+        s.commit()
+    # Building is idempotent (equal keys answer from the registry or join the running build), so a refresh
+    # that finds the head unchanged still (re)submits the matrix: a build lost earlier is started again.
+    return Refresh(model, moved, old, build_matrix(settings, sessions, model, enqueue))
+
+
+def webhook_secret_ok(expected: str | None, given: str | None) -> bool:
+    """Constant-time comparison (of digests, so lengths leak nothing either)."""
+    if not expected or given is None:
+        return False
+    return hmac.compare_digest(hashlib.sha256(expected.encode()).digest(), hashlib.sha256(given.encode()).digest())
+
+
+def models_for_webhook(sessions: sessionmaker[Session], payload: dict) -> list[str]:
+    """Tracked models that a Hub ``repo.content`` event concerns (by repo name and updated branch)."""
+    if not isinstance(payload, dict):
+        raise SpecError("the payload must be a JSON object", field="body", fix="send the Hub's webhook payload")
+    event, repo = payload.get("event"), payload.get("repo")
+    if not isinstance(event, dict) or not isinstance(repo, dict) or not isinstance(repo.get("name"), str):
+        raise SpecError("not a Hugging Face webhook payload", field="event",
+                        fix="expected {event: {scope, action}, repo: {name, headSha}, updatedRefs: [...]}")
+    if event.get("scope") != "repo.content":
+        return []
+    refs = payload.get("updatedRefs")
+    branches = None
+    if isinstance(refs, list):
+        branches = {r["ref"].removeprefix("refs/heads/") for r in refs if isinstance(r, dict) and isinstance(r.get("ref"), str)}
+    with sessions() as s:
+        rows = s.scalars(select(TrackedModel).where(TrackedModel.hf_repo == repo["name"])).all()
+        return [m.name for m in rows if branches is None or m.branch in branches or not branches]
