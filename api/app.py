@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kiln
@@ -46,10 +47,23 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
     app.state.broker_check = _broker_check(settings.broker)
     for r in (health.router, builds.router, artifacts.router, workers.router, models.router, oci.router):
         app.include_router(r)
+    from api import auth
+
+    app.include_router(auth.router)
+    auth.install(app)  # request size limit, tokens and scopes
 
     @app.exception_handler(KilnError)
     async def kiln_error(_: Request, exc: KilnError):
         return JSONResponse({"error": exc.to_dict()}, status_code=http_status(exc))
+
+    @app.exception_handler(DBAPIError)
+    async def database_down(_: Request, exc: DBAPIError):
+        if not exc.connection_invalidated and not isinstance(exc, (OperationalError, InterfaceError)):
+            raise exc
+        return JSONResponse({"error": {"code": "database_unavailable", "field": "database",
+                                       "message": f"the database is unreachable ({type(exc.orig).__name__})",
+                                       "fix": "retry shortly; Kiln reconnects by itself"}},
+                            status_code=503, headers={"Retry-After": "5"})
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError):

@@ -38,18 +38,29 @@ def api(host: str, port: int) -> None:
     uvicorn.run(create_app(), host=host, port=port, log_level="info")
 
 
-def _heartbeat_loop(name: str, stop: threading.Event) -> None:
+def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None:
+    """Heartbeats, and the reconciler every few beats (see workers/reconcile.py)."""
     from kiln import db
     from kiln.settings import get_settings
+    from workers.celery_app import app
+    from workers.reconcile import reclaim_orphans, redis_depth, requeue_lost
     from workers.registry import HEARTBEAT_S, heartbeat
+    from workers.submit import celery_enqueue
 
     sessions = db.session_factory(get_settings().db_url)
+    beats = 0
     while not stop.wait(HEARTBEAT_S):
+        beats += 1
         try:
             with sessions() as s:
                 heartbeat(s, name)
-        except Exception as exc:  # the database may be briefly away; the next beat retries
-            click.echo(f"kiln worker: heartbeat failed: {exc}", err=True)
+            if beats % 2 == 0:
+                for build_id in reclaim_orphans(sessions, celery_enqueue):
+                    click.echo(f"kiln worker {name}: re-enqueued {build_id} (its worker stopped)", err=True)
+                for build_id in requeue_lost(sessions, queues, celery_enqueue, redis_depth(app)):
+                    click.echo(f"kiln worker {name}: re-enqueued {build_id} (its message was lost)", err=True)
+        except Exception as exc:  # the database or broker may be briefly away; the next beat retries
+            click.echo(f"kiln worker: heartbeat/reconcile failed: {exc}", err=True)
 
 
 def requeue_waiting(queues: list[str]) -> int:
@@ -96,7 +107,7 @@ def worker(queues: str | None, concurrency: int, name: str | None) -> None:
     with db.session_factory(get_settings().db_url)() as s:
         register(s, name, caps)
     stop = threading.Event()
-    threading.Thread(target=_heartbeat_loop, args=(name, stop), daemon=True).start()
+    threading.Thread(target=_heartbeat_loop, args=(name, chosen, stop), daemon=True).start()
     click.echo(f"kiln worker {name}: queues {', '.join(chosen)}", err=True)
     from workers.celery_app import app
 

@@ -65,6 +65,8 @@ def _error(resp: httpx.Response, what: str) -> e.KilnError:
         first = {}
     message = f"{what}: {first.get('message') or f'HTTP {resp.status_code}'}"
     code = first.get("code")
+    if resp.status_code in (401, 403):
+        return e.SpecError(message, field="KILN_TOKEN", fix="set KILN_TOKEN to a token with the artifacts:read scope")
     if code == "DIGEST_INVALID" or code == "NAME_INVALID":
         return e.InvalidDigest(message, field="ref", fix="write model@sha256:<64 hex>")
     if resp.status_code == 404:
@@ -146,8 +148,10 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
     name, digest = split_ref(ref)
     own = client is None
     if client is None:
+        # KILN_TOKEN as for `kiln build --server`; httpx drops it when a blob redirects to another host (presigned)
+        headers = {"Authorization": f"Bearer {os.environ['KILN_TOKEN']}"} if os.environ.get("KILN_TOKEN") else {}
         client = httpx.Client(base_url=server.rstrip("/"), timeout=httpx.Timeout(timeout, read=timeout),
-                              follow_redirects=True)  # blobs may be redirected to the store (presigned)
+                              headers=headers, follow_redirects=True)
     try:
         try:
             return _pull(client, name or _repository_of(client, digest), digest, dest)
@@ -164,7 +168,8 @@ def _pull(client: httpx.Client, name: str, digest: str, dest: Path) -> Pulled:
     layers = manifest.get("layers")
     if not isinstance(layers, list) or not layers:
         raise e.KilnError(f"{digest} has no layers, so it is not an engine image")
-    if bad := [d.get("mediaType") for d in layers if not isinstance(d, dict) or d.get("mediaType") != MEDIA_TYPE_IMAGE_LAYER]:
+    if bad := [d.get("mediaType") if isinstance(d, dict) else d for d in layers
+               if not isinstance(d, dict) or d.get("mediaType") != MEDIA_TYPE_IMAGE_LAYER]:
         raise e.KilnError(f"{digest} has layers this puller does not unpack: {bad}")
     described = [_descriptor(d) for d in layers]
     config = _get_config(client, name, manifest)
@@ -182,7 +187,8 @@ def _pull(client: httpx.Client, name: str, digest: str, dest: Path) -> Pulled:
                     with open(path, "rb") as f:
                         unpack_tar(f, staging)
                 except (tarfile.TarError, ValueError) as exc:
-                    raise UnsafeLayer(f"layer {layer['digest']} is verified but not a safe engine archive: {exc}") from None
+                    raise UnsafeLayer(f"layer {layer['digest']} is verified but not a safe engine archive: "
+                                      f"{exc}") from None
                 path.unlink()
         os.chmod(staging, 0o755)
         os.rename(staging, dest)

@@ -42,7 +42,10 @@ def _follow(client: httpx.Client, build_id: str, progress) -> None:
 
 
 def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress, summary) -> dict:
-    with httpx.Client(base_url=server.rstrip("/"), timeout=60) as client:
+    import os
+
+    headers = {"Authorization": f"Bearer {os.environ['KILN_TOKEN']}"} if os.environ.get("KILN_TOKEN") else {}
+    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=headers) as client:
         try:
             resp = client.post("/v1/builds", json=spec)
         except httpx.HTTPError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -10,8 +11,27 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 
+_ENGINES: list[Engine] = []
+
+
+def _after_fork_in_child() -> None:
+    """A forked process (Celery's prefork pool) must not use the parent's pooled connections: the sockets
+    would be shared by two processes. Drop them without closing (closing would hurt the parent)."""
+    for engine in _ENGINES:
+        engine.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @lru_cache(maxsize=8)
 def get_engine(url: str) -> Engine:
+    engine = _create_engine(url)
+    _ENGINES.append(engine)
+    return engine
+
+
+def _create_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":

@@ -25,6 +25,16 @@ class Settings(BaseSettings):
     # Default: the current working directory.
     checkpoint_roots: str | None = None
     webhook_secret: str | None = None
+    # API tokens: "required" (every /v1 and /v2 call needs a token with the right scope) or "off" (embedded,
+    # single user). Default: required when a bootstrap token is configured, off otherwise.
+    auth: str | None = None
+    bootstrap_token: str | None = None
+    anonymous_read: bool = False  # allow artifacts:read endpoints (resolve, /v2 pulls) without a token
+    max_body_bytes: int = 1 << 20
+
+    @property
+    def auth_required(self) -> bool:
+        return (self.auth or ("required" if self.bootstrap_token else "off")) == "required"
 
     @cached_property
     def home_dir(self) -> Path:

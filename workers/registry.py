@@ -9,8 +9,10 @@ from sqlalchemy.orm import Session
 
 from kiln.models import Worker
 
-HEARTBEAT_S = 5
-LIVE_WINDOW_S = 30
+import os
+
+HEARTBEAT_S = float(os.environ.get("KILN_HEARTBEAT_S", "5"))
+LIVE_WINDOW_S = float(os.environ.get("KILN_WORKER_LIVE_WINDOW_S", "30"))
 
 
 def _aware(ts: datetime) -> datetime:

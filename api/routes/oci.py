@@ -166,9 +166,13 @@ def _unknown_name(name: str) -> OCIError:
     return OCIError(404, "NAME_UNKNOWN", f"repository {name!r} is not known to this registry", {"name": name})
 
 
-def _rejected(digest: str, what: str = "engine") -> OCIError:
-    return OCIError(404, "MANIFEST_UNKNOWN", f"{what} {digest} failed validation and is never served",
-                    {"digest": digest, "status": "rejected"})
+def _rejected(digest: str, subject: str | None = None) -> OCIError:
+    if subject is None:
+        message = f"engine {digest} was rejected (it failed validation) and is never served"
+    else:
+        message = f"{digest} is attached to engine {subject}, which was rejected (it failed validation): never served"
+    return OCIError(404, "MANIFEST_UNKNOWN", message,
+                    {"digest": digest, "status": "rejected", **({"subject": subject} if subject else {})})
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,7 @@ def _manifest_by_digest(session: Session, name: str, digest: str) -> _Found:
     if ref is not None and ref.repository == name:
         subject = session.get(Artifact, ref.subject)
         if subject is not None and subject.status == "rejected":
-            raise _rejected(ref.subject, f"the subject of {digest},")
+            raise _rejected(digest, ref.subject)
         return _Found(digest, None)
     if not _repository_known(session, name):
         raise _unknown_name(name)
@@ -299,7 +303,8 @@ def manifest(name: str, reference: str, request: Request) -> Response:
         else:
             found = _manifest_by_tag(s, name, reference)
     item = MANIFESTS.get(_store(request), found.digest)
-    headers = {"Docker-Content-Digest": found.digest, "ETag": f'"{found.digest}"', "Content-Length": str(len(item.data))}
+    headers = {"Docker-Content-Digest": found.digest, "ETag": f'"{found.digest}"',
+               "Content-Length": str(len(item.data))}
     if found.status is not None:
         headers[STATUS_HEADER] = found.status
     if request.method == "HEAD":
@@ -341,7 +346,8 @@ def blob(name: str, digest: str, request: Request) -> Response:
     if not manifests:
         raise _unknown_name(name)
     if not any(digest in MANIFESTS.get(store, m).names for m in manifests):
-        raise OCIError(404, "BLOB_UNKNOWN", f"no blob {digest} in repository {name!r}", {"name": name, "digest": digest})
+        raise OCIError(404, "BLOB_UNKNOWN", f"no blob {digest} in repository {name!r}",
+                       {"name": name, "digest": digest})
     size = store.stat(digest).size
     headers = {"Docker-Content-Digest": digest, "ETag": f'"{digest}"', "Accept-Ranges": "bytes"}
     media_type = "application/octet-stream"

@@ -1,0 +1,160 @@
+"""API tokens and scopes, enforced for every request in one middleware.
+
+Scopes: ``artifacts:read`` (deployers: resolve, artifacts, /v2 pulls), ``builds:write`` (CI: submit, cancel,
+register models; includes reading), ``admin`` (tokens, revoke, everything). Tokens are stored as sha256
+hashes. /v2 accepts them the way OCI clients send them: ``Bearer <token>`` or Basic with the token as password.
+Health endpoints are open; the Hugging Face webhook authenticates with its own secret.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import secrets
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import select
+
+from api.deps import SessionDep
+from kiln.errors import SpecError
+from kiln.models import ApiToken, utcnow
+
+SCOPES = ("artifacts:read", "builds:write", "admin")
+IMPLIES = {"admin": set(SCOPES), "builds:write": {"builds:write", "artifacts:read"}, "artifacts:read": {"artifacts:read"}}
+OPEN = ("/healthz", "/readyz", "/v1/webhooks/huggingface", "/openapi.json", "/docs", "/redoc", "/metrics")
+router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def required_scope(method: str, path: str) -> str | None:
+    """The scope a request needs; None for open endpoints."""
+    if path in OPEN or path.startswith("/static/") or path == "/":
+        return None
+    if path.startswith("/v1/tokens") or path.endswith("/revoke"):
+        return "admin"
+    if method in ("GET", "HEAD", "OPTIONS"):
+        return "artifacts:read"
+    if path.startswith("/v1/fit"):
+        return "artifacts:read"
+    return "builds:write"
+
+
+def bearer_or_basic(header: str | None) -> str | None:
+    if not header:
+        return None
+    kind, _, value = header.partition(" ")
+    if kind.lower() == "bearer":
+        return value.strip() or None
+    if kind.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip()).decode().partition(":")[2] or None
+        except (ValueError, UnicodeDecodeError):
+            return None
+    return None
+
+
+def _deny(status: int, path: str, message: str, fix: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": 'Basic realm="kiln", Bearer realm="kiln"'} if status == 401 else {}
+    if path.startswith("/v2"):
+        code = "UNAUTHORIZED" if status == 401 else "DENIED"
+        return JSONResponse({"errors": [{"code": code, "message": message, "detail": fix}]}, status_code=status,
+                            headers=headers)
+    return JSONResponse({"error": {"code": "unauthorized" if status == 401 else "forbidden", "field": "Authorization",
+                                   "message": message, "fix": fix}}, status_code=status, headers=headers)
+
+
+def install(app) -> None:
+    settings = app.state.settings
+
+    @app.middleware("http")
+    async def limits_and_auth(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > settings.max_body_bytes:
+            return JSONResponse({"error": {"code": "too_large", "field": "body", "message": f"body over {settings.max_body_bytes} bytes",
+                                           "fix": "send a smaller request"}}, status_code=413)
+        if not settings.auth_required:
+            return await call_next(request)
+        need = required_scope(request.method, request.url.path)
+        if need is None or (need == "artifacts:read" and settings.anonymous_read):
+            return await call_next(request)
+        token = bearer_or_basic(request.headers.get("authorization"))
+        if token is None:
+            return _deny(401, request.url.path, "a token is required", "send Authorization: Bearer <token>")
+        from starlette.concurrency import run_in_threadpool
+
+        from sqlalchemy.exc import DBAPIError
+
+        try:
+            row = await run_in_threadpool(_lookup, app, token)
+        except DBAPIError as exc:
+            return JSONResponse({"error": {"code": "database_unavailable", "field": "database",
+                                           "message": f"the database is unreachable ({type(exc.orig).__name__})",
+                                           "fix": "retry shortly; Kiln reconnects by itself"}}, status_code=503)
+        if row is None:
+            return _deny(401, request.url.path, "unknown or revoked token", "ask an admin for a token")
+        granted = set().union(*(IMPLIES.get(s, set()) for s in row.scopes))
+        if need not in granted:
+            return _deny(403, request.url.path, f"this token lacks the {need} scope",
+                         f"use a token with {need} (it has {', '.join(row.scopes)})")
+        request.state.token_name = row.name
+        return await call_next(request)
+
+    if settings.bootstrap_token:
+        with app.state.sessions() as s:
+            digest = token_hash(settings.bootstrap_token)
+            if s.scalars(select(ApiToken).where(ApiToken.token_sha256 == digest)).first() is None:
+                s.add(ApiToken(id=uuid.uuid4().hex, name="bootstrap", token_sha256=digest, scopes=["admin"],
+                               created_at=utcnow()))
+                s.commit()
+
+
+def _lookup(app, token: str) -> ApiToken | None:
+    with app.state.sessions() as s:
+        row = s.scalars(select(ApiToken).where(ApiToken.token_sha256 == token_hash(token))).first()
+        return row if row is not None and row.revoked_at is None else None
+
+
+def token_read(t: ApiToken) -> dict:
+    return {"id": t.id, "name": t.name, "scopes": t.scopes, "created_at": t.created_at.isoformat(),
+            "revoked": t.revoked_at is not None}
+
+
+@router.post("", status_code=201)
+def create_token(session: SessionDep, body: Any = Body(None)):
+    """Create a token (admin). The token is in this response only."""
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"].strip():
+        raise SpecError("a name is required", field="name", fix='send {"name": "ci", "scopes": ["builds:write"]}')
+    scopes = body.get("scopes")
+    if not isinstance(scopes, list) or not scopes or any(s not in SCOPES for s in scopes):
+        raise SpecError(f"scopes must be a non-empty list of {', '.join(SCOPES)}", field="scopes",
+                        fix='e.g. ["artifacts:read"]')
+    token = "kiln_" + secrets.token_urlsafe(32)
+    row = ApiToken(id=uuid.uuid4().hex, name=body["name"].strip()[:255], token_sha256=token_hash(token),
+                   scopes=sorted(set(scopes)), created_at=utcnow())
+    session.add(row)
+    session.commit()
+    return {**token_read(row), "token": token}
+
+
+@router.get("")
+def list_tokens(session: SessionDep):
+    """Tokens (admin), without their secrets."""
+    return {"tokens": [token_read(t) for t in session.scalars(select(ApiToken).order_by(ApiToken.created_at))]}
+
+
+@router.delete("/{token_id}")
+def revoke_token(token_id: str, session: SessionDep):
+    """Revoke a token (admin)."""
+    row = session.get(ApiToken, token_id[:32])
+    if row is None:
+        return JSONResponse({"error": {"code": "token_unknown", "field": "id", "message": f"no token {token_id!r}",
+                                       "fix": "list tokens with GET /v1/tokens"}}, status_code=404)
+    row.revoked_at = row.revoked_at or utcnow()
+    session.commit()
+    return token_read(row)

@@ -1,0 +1,72 @@
+"""The reconciler: the database is the truth about builds, the broker only a delivery mechanism. It runs in
+every worker (at start and every few seconds) and repairs what the broker lost:
+
+- a build ``running`` on a worker whose heartbeat stopped (killed, machine lost) goes back to ``queued`` and is
+  enqueued again; it resumes from the stage cache;
+- ``queued`` builds of this worker's queues are enqueued again when the broker's queue is empty (Redis restarted
+  or flushed), since their messages are gone.
+
+Re-enqueueing can only duplicate a message, never lose one, and duplicates are harmless: a build is claimed
+atomically by exactly one worker (workers/runner.py)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from kiln.models import Build, BuildEvent, Worker
+from workers.registry import is_live
+
+log = logging.getLogger(__name__)
+
+
+def reclaim_orphans(sessions: sessionmaker[Session], enqueue) -> list[str]:
+    """Running builds whose worker is dead → queued again (each reset is one atomic update)."""
+    done = []
+    with sessions() as s:
+        running = s.scalars(select(Build).where(Build.status == "running")).all()
+        for b in running:
+            w = s.get(Worker, b.worker) if b.worker else None
+            if w is not None and is_live(w):
+                continue
+            reset = s.execute(update(Build).where(Build.id == b.id, Build.status == "running",
+                                                  Build.attempts == b.attempts)
+                              .values(status="queued", reason=f"worker {b.worker} stopped; re-enqueued")).rowcount
+            if reset:
+                s.add(BuildEvent(build_id=b.id, kind="status", data={"status": "queued", "reason": "worker lost"}))
+                s.commit()
+                done.append((b.id, b.queue))
+    for build_id, queue in done:
+        enqueue(build_id, queue)
+    return [d[0] for d in done]
+
+
+def requeue_lost(sessions: sessionmaker[Session], queues: list[str], enqueue, broker_depth, *,
+                 min_age_s: float = 5.0) -> list[str]:
+    """Queued builds of ``queues`` whose broker queue is empty (their messages were lost) → enqueued again."""
+    cutoff = datetime.now(timezone.utc) - timedelta(seconds=min_age_s)
+    out = []
+    with sessions() as s:
+        rows = s.scalars(select(Build).where(Build.status == "queued", Build.queue.in_(queues))).all()
+    for b in rows:
+        created = b.created_at if b.created_at.tzinfo else b.created_at.replace(tzinfo=timezone.utc)
+        if created > cutoff:
+            continue
+        depth = broker_depth(b.queue)
+        if depth == 0:
+            enqueue(b.id, b.queue)
+            out.append(b.id)
+    return out
+
+
+def redis_depth(app):
+    """LLEN of a Celery queue on a Redis broker; None (unknown) for other brokers."""
+    def depth(queue: str) -> int | None:
+        if not str(app.conf.broker_url).startswith(("redis://", "rediss://")):
+            return None
+        with app.connection_for_write() as conn:
+            return int(conn.default_channel.client.llen(queue))
+    return depth
