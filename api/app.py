@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kiln
 from api.errors import http_status
-from api.routes import artifacts, builds, health, models, oci, workers
+from api.routes import artifacts, builds, dashboard, health, metrics, models, oci, workers
 from kiln.errors import KilnError
 from kiln.settings import Settings, get_settings
 from kiln.spec import BuildSpec
@@ -45,8 +45,13 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
     app.state.store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
     app.state.enqueue = enqueue or celery_enqueue
     app.state.broker_check = _broker_check(settings.broker)
-    for r in (health.router, builds.router, artifacts.router, workers.router, models.router, oci.router):
+    for r in (health.router, builds.router, artifacts.router, workers.router, models.router, oci.router,
+              dashboard.router, metrics.router):
         app.include_router(r)
+    from fastapi.staticfiles import StaticFiles
+
+    app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
+    metrics.install(app)  # the database collector and the GET /v1/resolve latency histogram
     from api import auth
 
     app.include_router(auth.router)

@@ -304,7 +304,9 @@ def db_downgrade(revision: str) -> None:
 
 
 def _register_commands() -> None:
+    import api.cli_admin  # noqa: F401  (gc, fsck)
     import api.cli_service  # noqa: F401  (adds api, worker, serve to the group)
+    import api.cli_fit  # noqa: F401
 
 
 _register_commands()

@@ -28,13 +28,14 @@ from __future__ import annotations
 import abc
 import hashlib
 import io
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from kiln.digests import parse_digest, sha256_bytes, sha256_file
-from kiln.errors import BlobUnknown, DigestMismatch
+from kiln.errors import BlobUnknown, DigestMismatch, StorageUnavailable
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,16 @@ class BlobStore(abc.ABC):
         """
 
     def get_bytes(self, digest: str) -> bytes:
-        """The whole blob, verified against its digest (:class:`DigestMismatch` if corrupted)."""
-        data = b"".join(self.open_range(digest))
+        """The whole blob, verified against its digest (:class:`DigestMismatch` if corrupted).
+        A read the store cuts short (:class:`StorageUnavailable`) is retried twice with backoff."""
+        for attempt in range(3):
+            try:
+                data = b"".join(self.open_range(digest))
+                break
+            except StorageUnavailable:
+                if attempt == 2:
+                    raise
+                time.sleep(0.2 * 2**attempt)
         actual = sha256_bytes(data)
         if actual != digest:
             raise DigestMismatch(f"blob {digest} in {self.url} is corrupted: its bytes hash to {actual}")

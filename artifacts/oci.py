@@ -19,6 +19,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from typing import Any
 from artifacts.interfaces import BlobInfo, BlobStore
 from artifacts.tarball import HashingReader, unpack_tar, write_tar
 from kiln.digests import canonical_json, parse_digest, sha256_bytes
-from kiln.errors import DigestMismatch
+from kiln.errors import DigestMismatch, StorageUnavailable
+
+PULL_ATTEMPTS = 3
 
 MEDIA_TYPE_IMAGE_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_TYPE_IMAGE_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -170,15 +173,22 @@ def pull_image(store: BlobStore, manifest_digest: str, dest_dir: Path) -> dict[s
     if diff_ids != [d["digest"] for d in layers]:
         raise DigestMismatch(f"{manifest_digest}: config rootfs.diff_ids do not match the layers")
     dest_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest_dir.name}.pull-", dir=dest_dir.parent))
-    try:
-        for layer in layers:
-            _unpack_layer(store, layer, staging)
-        os.chmod(staging, 0o755)
-        os.rename(staging, dest_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    for attempt in range(PULL_ATTEMPTS):  # a read cut short by the store is retried from a clean staging dir
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest_dir.name}.pull-", dir=dest_dir.parent))
+        try:
+            for layer in layers:
+                _unpack_layer(store, layer, staging)
+            os.chmod(staging, 0o755)
+            os.rename(staging, dest_dir)
+            return manifest
+        except StorageUnavailable:
+            shutil.rmtree(staging, ignore_errors=True)
+            if attempt == PULL_ATTEMPTS - 1:
+                raise
+            time.sleep(0.2 * 2**attempt)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return manifest
 
 

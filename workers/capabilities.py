@@ -1,43 +1,118 @@
-"""What this worker can build: importable backends, GPUs found through NVML (name, SM, memory) and the
-toolchain versions that bind its engines. Queue names are derived from backend and target, so a build is only
-ever consumed by a worker that can produce a valid engine for it."""
+"""What this worker can build: importable backends, GPUs found through NVML (name, SM, memory, count) and the
+toolchain versions that bind its engines. Queue names are derived from backend, target, tensor-parallel size and
+(for ``trtllm-engine``) the TensorRT-LLM and TensorRT versions, so a build is only ever consumed by a worker that
+can produce a valid engine for it.
+
+Queue names (``kiln.<backend>.<target>[.trtllm-<v>.trt-<v>][.tp<N>]``):
+
+- ``kiln.aot-inductor.cpu``, ``kiln.checkpoint.cpu``: every worker.
+- ``kiln.aot-inductor.sm90``, ``kiln.checkpoint.sm90``: workers with CUDA torch and a GPU of that SM.
+- ``kiln.trtllm-engine.sm90``: the **generic** engine queue — any worker with TensorRT-LLM and an sm90 GPU. An
+  engine built from it is valid for whatever TensorRT-LLM / TensorRT that worker has (recorded in provenance).
+- ``kiln.trtllm-engine.sm90.trtllm-1.2.1.trt-10.13.3``: the **versioned** queue — only workers whose TensorRT-LLM
+  is 1.2.1 and TensorRT 10.13.3. A submitter that needs an engine loadable by a given runtime routes here.
+- ``….tp2`` / ``.tp4`` / ``.tp8`` suffixes: tensor-parallel engines, consumed only by workers with at least that
+  many visible GPUs of the SM (``tp1`` has no suffix). A TP build therefore waits for a worker that can hold it
+  instead of failing on a smaller one.
+
+Every worker serving ``trtllm-engine`` consumes both the generic and the versioned queues for each TP size it can
+hold. ``queue_name(backend, target)`` (what workers/submit.py calls today) returns the generic, TP-1 name.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
+from collections import Counter
+from typing import Callable, Iterable
 
 from kiln.spec import GPU_ARCHS
-from kiln.toolchain import toolchain_for
+from kiln.toolchain import ABSENT, detect_gpus, toolchain_for
 
 QUEUE_PREFIX = "kiln"
+TP_SIZES = (1, 2, 4, 8)
+_VERSION_SAFE = re.compile(r"[^0-9A-Za-z.]+")
+_QUEUE_RE = re.compile(
+    r"^(?P<prefix>[^.]+)\.(?P<backend>[a-z-]+)\.(?P<target>[a-z0-9]+)"
+    r"(?:\.trtllm-(?P<trtllm>[0-9A-Za-z.]+?)\.trt-(?P<trt>[0-9A-Za-z.]+?))?(?:\.tp(?P<tp>\d+))?$")
+
+__all__ = ["QUEUE_PREFIX", "TP_SIZES", "cuda_torch", "detect", "detect_gpus", "parse_queue_name", "queue_name",
+           "routing_queues", "trtllm_available", "versioned_suffix"]
 
 
-def queue_name(backend: str, target: str) -> str:
-    return f"{QUEUE_PREFIX}.{backend}.{target}"
+def _clean(version: str) -> str:
+    """A version as a queue-name segment: ``1.2.1+cu12`` → ``1.2.1.cu12`` (only digits, letters and dots)."""
+    return _VERSION_SAFE.sub(".", version).strip(".")
 
 
-def detect_gpus() -> list[dict]:
-    """GPUs through NVML; an empty list where there is no driver or no NVML library."""
-    try:
-        import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded: a machine without NVIDIA GPUs
-        return []
-    try:
-        gpus = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-            name = pynvml.nvmlDeviceGetName(handle)
-            gpus.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                         "sm": f"sm{major}{minor}", "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)})
-        return gpus
-    finally:
-        pynvml.nvmlShutdown()
+def versioned_suffix(toolchain: dict | None) -> str | None:
+    """``trtllm-<v>.trt-<v>`` for a toolchain that has both versions, else None."""
+    if not toolchain:
+        return None
+    trtllm, trt = toolchain.get("tensorrt_llm"), toolchain.get("tensorrt")
+    if not trtllm or not trt or ABSENT in (trtllm, trt):
+        return None
+    return f"trtllm-{_clean(str(trtllm))}.trt-{_clean(str(trt))}"
+
+
+def queue_name(backend: str, target: str, *, tp_size: int = 1, toolchain: dict | None = None) -> str:
+    """The queue a build of ``backend`` for ``target`` goes to.
+
+    With the defaults this is the generic name (``kiln.trtllm-engine.sm90``). For ``trtllm-engine``,
+    ``toolchain`` (with ``tensorrt_llm`` and ``tensorrt`` versions) selects the versioned queue and
+    ``tp_size > 1`` the tensor-parallel one; other backends ignore both (they have no TP and no TensorRT)."""
+    name = f"{QUEUE_PREFIX}.{backend}.{target}"
+    if backend != "trtllm-engine":
+        return name
+    if (suffix := versioned_suffix(toolchain)) is not None:
+        name += f".{suffix}"
+    if tp_size > 1:
+        name += f".tp{tp_size}"
+    return name
+
+
+def parse_queue_name(name: str) -> dict | None:
+    """``kiln.trtllm-engine.sm90.trtllm-1.2.1.trt-10.13.3.tp2`` → {backend, target, tp_size, tensorrt_llm,
+    tensorrt}; None for a name that is not a Kiln queue."""
+    m = _QUEUE_RE.match(name)
+    if m is None or m["prefix"] != QUEUE_PREFIX:
+        return None
+    return {"backend": m["backend"], "target": m["target"], "tp_size": int(m["tp"] or 1),
+            "tensorrt_llm": m["trtllm"], "tensorrt": m["trt"]}
+
+
+def _matches_runtime(parsed: dict, runtime: dict[str, str]) -> bool:
+    for name in ("tensorrt_llm", "tensorrt"):
+        want = runtime.get(name)
+        if want is not None and parsed[name] != _clean(want):
+            return False
+    return True
+
+
+def routing_queues(backend: str, target: str, tp_size: int, advertised: Iterable[str],
+                   runtime: dict[str, str] | None = None) -> list[str]:
+    """Queues a build may be sent to, best first, among the queues workers ``advertised``.
+
+    Without ``runtime`` (``{"tensorrt_llm": "1.2.1", "tensorrt": "10.13.3"}``, either key optional): the versioned
+    queues for (backend, target, tp_size) that some worker serves, newest version first, then the generic queue.
+    With ``runtime``: only the versioned queues matching it — an engine for a pinned runtime must not be built by
+    a worker with another one. Non-``trtllm-engine`` backends have exactly one queue."""
+    generic = queue_name(backend, target, tp_size=tp_size)
+    if backend != "trtllm-engine":
+        return [generic]
+    versioned = []
+    for q in sorted(set(advertised)):
+        p = parse_queue_name(q)
+        if (p and p["backend"] == backend and p["target"] == target and p["tp_size"] == tp_size
+                and p["tensorrt_llm"] is not None and _matches_runtime(p, runtime or {})):
+            versioned.append((p["tensorrt_llm"], p["tensorrt"], q))
+
+    def key(item):
+        return tuple(tuple(int(x) if x.isdigit() else -1 for x in v.split(".")) for v in item[:2])
+
+    ordered = [q for *_, q in sorted(versioned, key=key, reverse=True)]
+    return ordered if runtime else ordered + [generic]
 
 
 def trtllm_available() -> bool:
@@ -50,19 +125,40 @@ def cuda_torch() -> bool:
     return torch.cuda.is_available()
 
 
-def detect(gpus: list[dict] | None = None, *, trtllm: bool | None = None, cuda: bool | None = None) -> dict:
-    """Capabilities and queues. Arguments override detection (for tests and for operators who pin a worker)."""
+def detect(gpus: list[dict] | None = None, *, trtllm: bool | None = None, cuda: bool | None = None,
+           toolchain: Callable[[str, str], dict] = toolchain_for) -> dict:
+    """Capabilities and queues. Arguments override detection (for tests and for operators who pin a worker):
+    ``gpus`` the NVML list, ``trtllm`` whether TensorRT-LLM is usable, ``cuda`` whether torch has CUDA,
+    ``toolchain`` the version lookup (``toolchain_for``)."""
     gpus = detect_gpus() if gpus is None else gpus
     trtllm = trtllm_available() if trtllm is None else trtllm
     cuda = cuda_torch() if cuda is None else cuda
-    gpu_targets = sorted({g["sm"] for g in gpus if g["sm"] in GPU_ARCHS})
+    counts = Counter(g["sm"] for g in gpus if g.get("sm") in GPU_ARCHS)
+    gpu_targets = sorted(counts)
     pairs = [("aot-inductor", "cpu"), ("checkpoint", "cpu")]
     if cuda:
         pairs += [(b, t) for t in gpu_targets for b in ("aot-inductor", "checkpoint")]
     if trtllm and cuda:
         pairs += [("trtllm-engine", t) for t in gpu_targets]
-    queues = [queue_name(b, t) for b, t in pairs]
+    queues: list[str] = []
+    toolchains: dict[str, dict] = {}
+    tp_sizes: dict[str, list[int]] = {}
+    for backend, target in pairs:
+        tc = toolchain(backend, target)
+        if backend != "trtllm-engine":
+            names = [queue_name(backend, target)]
+        else:
+            tp_sizes[target] = [tp for tp in TP_SIZES if tp <= counts[target]]
+            names = []
+            for tp in tp_sizes[target]:
+                names.append(queue_name(backend, target, tp_size=tp))
+                if versioned_suffix(tc) is not None:
+                    names.append(queue_name(backend, target, tp_size=tp, toolchain=tc))
+        for q in names:
+            queues.append(q)
+            toolchains[q] = tc
     return {
         "backends": sorted({b for b, _ in pairs}), "targets": sorted({t for _, t in pairs}), "gpus": gpus,
-        "queues": queues, "toolchains": {queue_name(b, t): toolchain_for(b, t) for b, t in pairs},
+        "gpu_counts": dict(sorted(counts.items())), "tp_sizes": tp_sizes, "cuda": bool(cuda),
+        "trtllm": bool(trtllm and cuda), "queues": queues, "toolchains": toolchains,
     }

@@ -451,3 +451,19 @@ def test_pull_remote_refuses_a_lying_manifest_and_an_unsafe_layer(tmp_path):
     with pytest.raises(UnsafeLayer):
         pull_remote("http://fake", f"{REPO}@{d}", out / "engine", client=client)
     assert list(out.iterdir()) == [] and not (tmp_path / "escape").exists()
+
+
+def test_pull_remote_sends_kiln_token_and_explains_a_refusal(tmp_path, monkeypatch):
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(401, json={"errors": [{"code": "UNAUTHORIZED", "message": "a token is required"}]})
+
+    monkeypatch.setenv("KILN_TOKEN", "kiln_secret")
+    real = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
+    with pytest.raises(SpecError) as err:
+        pull_remote("http://fake", f"{REPO}@{ZERO}", tmp_path / "x")
+    assert err.value.field == "KILN_TOKEN" and seen == ["Bearer kiln_secret"]
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,43 @@
+"""``kiln gc`` and ``kiln fsck``: registry housekeeping."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import click
+
+from api.cli import _context, main
+
+
+@main.command()
+@click.option("--dry-run", is_flag=True, help="show what would be deleted, delete nothing")
+@click.option("--keep", default=2, show_default=True, type=int, help="newest non-fresh engines kept per tag, for rollbacks")
+@click.option("--older-than-days", default=7.0, show_default=True, type=float)
+def gc(dry_run: bool, keep: int, older_than_days: float) -> None:
+    """Delete old stale, revoked and rejected engines and unreachable blobs (never a tagged or fresh engine)."""
+    from builder.gc import run_gc
+
+    _, store, sessions = _context()
+    plan = run_gc(sessions, store, dry_run=dry_run, keep=keep, older_than=timedelta(days=older_than_days))
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(f"{verb} {len(plan.artifacts)} engine(s), {len(plan.referrers)} referrer(s), {len(plan.blobs)} blob(s), "
+               f"{plan.bytes:,} bytes" + (f" ({plan.deferred})" if plan.deferred else ""))
+    for d in plan.artifacts:
+        click.echo(f"  engine {d}")
+
+
+@main.command()
+def fsck() -> None:
+    """Check every blob in the store against its digest; exit 3 when any is corrupted."""
+    from kiln.errors import DigestMismatch
+
+    _, store, _ = _context()
+    bad, n = [], 0
+    for digest in store.list_digests():
+        n += 1
+        if not store.verify(digest):
+            bad.append(digest)
+            click.echo(f"corrupted {digest}")
+    click.echo(f"checked {n} blob(s): {len(bad)} corrupted")
+    if bad:
+        raise DigestMismatch(f"{len(bad)} corrupted blob(s) in {store.url}", fix="restore them or rebuild the engines")

@@ -1,0 +1,360 @@
+// Kiln dashboard: plain JavaScript polling the JSON API (no build step, no external resources).
+// Views: "#/" (builds, workers, engines per model and target) and "#/engine/<digest>" (one engine).
+// Every value from the API goes into the page through textContent or attributes, never as HTML.
+"use strict";
+
+const STAGES = ["resolve", "quantize", "compile", "validate", "publish"];
+const POLL_MS = 2500;
+const state = { timer: null, token: localStorage.getItem("kiln.token") || "", showInactive: true, activeOnly: false };
+
+// -- helpers ---------------------------------------------------------------------------------------------------
+function h(tag, attrs, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") el.className = v;
+    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+function headers() {
+  return state.token ? { Authorization: "Bearer " + state.token } : {};
+}
+
+class HttpError extends Error {
+  constructor(status, body) {
+    super((body && body.error && body.error.message) || ("HTTP " + status));
+    this.status = status;
+  }
+}
+
+async function api(path) {
+  const resp = await fetch(path, { headers: headers(), cache: "no-store" });
+  if (resp.status === 401 || resp.status === 403) {
+    document.getElementById("auth").hidden = false;
+  }
+  if (!resp.ok) {
+    let body = null;
+    try { body = await resp.json(); } catch (e) { /* not JSON */ }
+    throw new HttpError(resp.status, body);
+  }
+  return resp.json();
+}
+
+async function blobUrl(path) {
+  const resp = await fetch(path, { headers: headers() });
+  if (!resp.ok) throw new HttpError(resp.status, null);
+  return URL.createObjectURL(await resp.blob());
+}
+
+function shortDigest(d) { return d ? d.slice(0, 19) + "…" : ""; }
+function badge(text, kind) { return h("span", { class: "badge b-" + (kind || text) }, text); }
+function engineHref(digest) { return "#/engine/" + encodeURIComponent(digest); }
+
+function ago(iso) {
+  if (!iso) return "";
+  const s = (Date.now() - Date.parse(iso)) / 1000;
+  if (!isFinite(s)) return "";
+  if (s < 60) return Math.max(0, Math.round(s)) + " s ago";
+  if (s < 3600) return Math.round(s / 60) + " min ago";
+  if (s < 86400) return Math.round(s / 3600) + " h ago";
+  return Math.round(s / 86400) + " d ago";
+}
+
+function secs(v) {
+  if (v === null || v === undefined || !isFinite(v)) return "";
+  if (v < 60) return v.toFixed(v < 10 ? 2 : 1) + " s";
+  return Math.floor(v / 60) + " min " + Math.round(v % 60) + " s";
+}
+
+function duration(b) {
+  if (!b.started_at) return "";
+  const end = b.finished_at ? Date.parse(b.finished_at) : Date.now();
+  return secs((end - Date.parse(b.started_at)) / 1000);
+}
+
+function bytes(n) {
+  if (!n && n !== 0) return "";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return n.toFixed(i ? 1 : 0) + " " + units[i];
+}
+
+function pct(v, digits) { return (v === null || v === undefined) ? "" : (v * 100).toFixed(digits === undefined ? 1 : digits) + " %"; }
+
+function profileName(spec) {
+  const p = spec && spec.profile;
+  if (!p) return "";
+  return typeof p === "string" ? p : (p.name || "custom");
+}
+
+function showError(err) {
+  const el = document.getElementById("error");
+  if (!err) { el.hidden = true; return; }
+  el.hidden = false;
+  el.textContent = "Cannot reach the Kiln API: " + err.message;
+}
+
+// -- summary bar -----------------------------------------------------------------------------------------------
+function renderSummary(builds, workers, artifacts) {
+  const count = (rows, key, value) => rows.filter((r) => r[key] === value).length;
+  const nav = document.getElementById("summary");
+  const chip = (label, value) => h("span", { class: "chip" }, h("b", null, String(value)), " " + label);
+  nav.replaceChildren(
+    chip("running", count(builds, "status", "running")),
+    chip("queued", count(builds, "status", "queued")),
+    chip("workers live", workers.filter((w) => w.live).length),
+    chip("fresh engines", count(artifacts, "status", "fresh")),
+  );
+  document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
+}
+
+// -- builds ----------------------------------------------------------------------------------------------------
+function stageStrip(b) {
+  const done = Object.fromEntries((b.stages || []).map((s) => [s.name, s]));
+  return h("span", { class: "stages", "aria-hidden": "true" }, STAGES.map((name) => {
+    let cls = "";
+    if (done[name]) cls = "s-" + done[name].status;
+    else if (b.status === "running" && b.stage === name) cls = "s-running";
+    else if (b.status === "failed" && b.stage === name) cls = "s-failed";
+    const title = name + (done[name] ? ": " + done[name].status + " " + secs(done[name].seconds) : "");
+    return h("span", { class: cls, title });
+  }));
+}
+
+function currentStage(b) {
+  if (b.status === "running") return b.stage ? b.stage + "…" : "starting…";
+  if (b.status === "queued") return "waiting";
+  if (b.status === "failed" && b.stage) return "failed in " + b.stage;
+  if (b.status === "succeeded") return b.cache_hit ? "cache hit" : "done";
+  return b.status;
+}
+
+function buildsTable(builds) {
+  if (!builds.length) return h("p", { class: "empty" }, "No builds yet. Submit one with POST /v1/builds or kiln build --server.");
+  const rows = builds.map((b) => {
+    const s = b.spec || {};
+    const note = b.error ? (b.error.message || b.error.code) : b.reason;
+    return h("tr", { "data-build": b.id, "data-status": b.status },
+      h("td", null, h("span", { class: "mono", title: b.id }, b.id.slice(0, 12))),
+      h("td", null, s.model_name || ""),
+      h("td", null, [s.precision, s.target, profileName(s), s.backend].filter(Boolean).join(" · "),
+        note ? h("div", { class: "sub" + (b.status === "failed" ? " err" : "") }, note) : null),
+      h("td", null, badge(b.status)),
+      h("td", null, stageStrip(b), currentStage(b)),
+      h("td", null, b.worker || h("span", { class: "muted" }, b.queue || "")),
+      h("td", { title: b.created_at || "" }, ago(b.created_at)),
+      h("td", { class: "num" }, duration(b)),
+      h("td", null, b.digest ? h("a", { class: "mono", href: engineHref(b.digest), "data-digest": b.digest }, shortDigest(b.digest)) : ""),
+    );
+  });
+  return h("table", { id: "builds-table" },
+    h("thead", null, h("tr", null, ["build", "model", "spec", "status", "stage", "worker / queue", "submitted", "took", "engine"]
+      .map((t) => h("th", null, t)))),
+    h("tbody", null, rows));
+}
+
+function workersList(workers) {
+  if (!workers.length) return h("p", { class: "empty" }, "No workers registered.");
+  return h("table", null,
+    h("thead", null, h("tr", null, ["worker", "state", "queues", "last heartbeat"].map((t) => h("th", null, t)))),
+    h("tbody", null, workers.map((w) => h("tr", null,
+      h("td", { class: "mono" }, w.name),
+      h("td", null, badge(w.live ? "live" : "gone", w.live ? "fresh" : "queued")),
+      h("td", { class: "sub" }, (w.queues || []).join(", ")),
+      h("td", null, ago(w.last_heartbeat))))));
+}
+
+// -- engines ---------------------------------------------------------------------------------------------------
+function tagsByDigest(tags) {
+  const out = {};
+  for (const t of tags) (out[t.digest] = out[t.digest] || []).push(t.repository + ":" + t.name);
+  return out;
+}
+
+function enginesSection(artifacts, tags) {
+  const byTag = tagsByDigest(tags);
+  const shown = state.showInactive ? artifacts : artifacts.filter((a) => a.status === "fresh");
+  if (!shown.length) return [h("p", { class: "empty" }, "No engines published yet.")];
+  const models = {};
+  for (const a of shown) (models[a.repository] = models[a.repository] || []).push(a);
+  return Object.keys(models).sort().map((model) => {
+    const rows = models[model].slice().sort((x, y) =>
+      x.target.localeCompare(y.target) || (y.created_at || "").localeCompare(x.created_at || ""));
+    const fresh = rows.filter((a) => a.status === "fresh").length;
+    let prevTarget = null;
+    const body = rows.map((a) => {
+      const start = a.target !== prevTarget;
+      prevTarget = a.target;
+      const v = a.validation || {};
+      return h("tr", { class: start ? "group-start" : null, "data-digest": a.digest, "data-status": a.status },
+        h("td", null, start ? h("strong", null, a.target) : ""),
+        h("td", null, a.precision),
+        h("td", null, a.profile),
+        h("td", null, a.backend),
+        h("td", null, badge(a.status), a.status_reason ? h("div", { class: "sub" }, a.status_reason) : null),
+        h("td", null, (byTag[a.digest] || []).map((t) => h("span", { class: "tag" }, t))),
+        h("td", null, v.passed === true ? badge("pass") : v.passed === false ? badge("fail") : ""),
+        h("td", null, h("a", { class: "mono", href: engineHref(a.digest) }, shortDigest(a.digest))),
+        h("td", { class: "num" }, bytes(a.size)),
+        h("td", { title: a.created_at || "" }, ago(a.created_at)));
+    });
+    return h("div", { class: "model", "data-model": model },
+      h("h3", { class: "model" }, model, h("span", { class: "muted" }, fresh + " fresh of " + rows.length)),
+      h("table", null,
+        h("thead", null, h("tr", null, ["target", "precision", "profile", "backend", "state", "tags", "validation",
+          "engine", "size", "built"].map((t) => h("th", null, t)))),
+        h("tbody", null, body)));
+  });
+}
+
+async function renderHome(view) {
+  const [builds, workers, artifacts, tags] = await Promise.all([
+    api("/v1/builds?limit=50" + (state.activeOnly ? "&status=running" : "")),
+    api("/v1/workers"), api("/v1/artifacts?limit=500"), api("/v1/tags")]);
+  renderSummary(builds.builds, workers.workers, artifacts.artifacts);
+  const active = h("label", null, h("input", { type: "checkbox", checked: state.activeOnly,
+    onchange: (e) => { state.activeOnly = e.target.checked; refresh(); } }), " running only");
+  const inactive = h("label", null, h("input", { type: "checkbox", checked: state.showInactive,
+    onchange: (e) => { state.showInactive = e.target.checked; refresh(); } }), " show stale, revoked and rejected");
+  view.replaceChildren(
+    h("section", { class: "card", id: "builds" },
+      h("h2", null, "Builds", h("span", { class: "muted" }, builds.total + " in all, newest first"),
+        h("span", { class: "toolbar" }, active)),
+      buildsTable(builds.builds)),
+    h("section", { class: "card", id: "engines" },
+      h("h2", null, "Engines", h("span", { class: "muted" }, "per model and target"),
+        h("span", { class: "toolbar" }, inactive)),
+      enginesSection(artifacts.artifacts, tags.tags)),
+    h("section", { class: "card", id: "workers" }, h("h2", null, "Workers"), workersList(workers.workers)));
+}
+
+// -- one engine ------------------------------------------------------------------------------------------------
+function dl(pairs) {
+  return h("dl", { class: "grid" }, pairs.filter((p) => p[1] !== null && p[1] !== undefined && p[1] !== "")
+    .map(([k, v]) => [h("dt", null, k), h("dd", null, v)]));
+}
+
+function metricsTable(m) {
+  const rows = [["perplexity", m.perplexity, (v) => v.toFixed(3)],
+    ["reference perplexity", m.reference_perplexity, (v) => v.toFixed(3)],
+    ["perplexity increase", m.ppl_increase_pct, (v) => (v >= 0 ? "+" : "") + v.toFixed(2) + " %"],
+    ["top-1 agreement", m.top1_agreement, (v) => pct(v)],
+    ["mean KL", m.mean_kl, (v) => v.toFixed(4)],
+    ["evaluation tokens", m.tokens, (v) => v.toLocaleString()]].filter((r) => typeof r[1] === "number");
+  return h("table", { id: "metrics" }, h("tbody", null, rows.map(([k, v, f]) => h("tr", null, h("th", null, k), h("td", { class: "num" }, f(v))))));
+}
+
+function gatesTable(gates) {
+  if (!gates || !gates.length) return h("p", { class: "empty" }, "No gates recorded.");
+  return h("table", { id: "gates" },
+    h("thead", null, h("tr", null, ["gate", "value", "threshold", ""].map((t) => h("th", null, t)))),
+    h("tbody", null, gates.map((g) => h("tr", null,
+      h("td", { class: "mono" }, g.name),
+      h("td", { class: "num" }, typeof g.value === "number" ? g.value.toFixed(4) : String(g.value)),
+      h("td", { class: "num" }, (g.name.startsWith("max_") ? "≤ " : "≥ ") + g.threshold),
+      h("td", null, badge(g.passed ? "pass" : "fail"))))));
+}
+
+function throughputTable(points) {
+  if (!points || !points.length) return null;
+  return h("table", { id: "throughput" },
+    h("thead", null, h("tr", null, ["batch", "sequence", "tokens/s", "median s"].map((t) => h("th", null, t)))),
+    h("tbody", null, points.map((p) => h("tr", null, h("td", { class: "num" }, p.batch_size), h("td", { class: "num" }, p.seq_len),
+      h("td", { class: "num" }, Math.round(p.tokens_per_s).toLocaleString()),
+      h("td", { class: "num" }, typeof p.seconds_median === "number" ? p.seconds_median.toFixed(4) : "")))));
+}
+
+async function renderEngine(view, digest) {
+  const path = "/v1/artifacts/" + encodeURIComponent(digest);
+  const [a, tags] = await Promise.all([api(path), api("/v1/tags?digest=" + encodeURIComponent(digest))]);
+  const v = a.validation || {};
+  const m = v.metrics || {};
+  const prov = a.provenance || {};
+  const spec = prov.spec || {};
+  const prof = (spec.profile && typeof spec.profile === "object") ? spec.profile : {};
+  const limits = ["max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens"].filter((k) => k in prof)
+    .map((k) => k.replace("max_", "") + " " + prof[k]).join(", ");
+  const reportLink = h("a", { href: path + "/report.html", target: "_blank", rel: "noopener", id: "report-link",
+    onclick: async (e) => {
+      if (!state.token) return;  // a plain link works without a token
+      e.preventDefault();
+      window.open(await blobUrl(path + "/report.html"), "_blank", "noopener");
+    } }, "validation report (HTML)");
+  const charts = h("div", { class: "charts" });
+  const stages = (prov.stages || []).map((s) => s.name + " " + s.status + " " + secs(s.seconds)).join(" · ");
+  view.replaceChildren(
+    h("p", null, h("a", { href: "#/" }, "← all builds and engines")),
+    h("section", { class: "card", id: "engine", "data-digest": a.digest },
+      h("h2", null, a.repository + ":" + a.tag, badge(a.status)),
+      a.status_reason ? h("p", { class: "sub" }, a.status_reason) : null,
+      dl([["digest", h("code", null, a.digest)],
+        ["tags", (tags.tags || []).length ? tags.tags.map((t) => h("span", { class: "tag" }, t.repository + ":" + t.name))
+          : h("span", { class: "muted" }, "none (tags move only to fresh, validated engines)")],
+        ["target", a.target], ["precision", a.precision + (spec.kv_cache && spec.kv_cache !== "none" ? ", KV cache " + spec.kv_cache : "")],
+        ["profile", a.profile + (limits ? " (" + limits + ")" : "")], ["backend", a.backend],
+        ["checkpoint", a.checkpoint ? [a.checkpoint.ref, a.checkpoint.revision ? " @ " + a.checkpoint.revision : ""].join("") : ""],
+        ["checkpoint digest", a.checkpoint ? h("code", null, a.checkpoint.digest) : ""],
+        ["build key", h("code", null, a.build_key)], ["size", bytes(a.size)],
+        ["toolchain", Object.entries(prov.toolchain || {}).map(([k, x]) => k + " " + x).join(", ")],
+        ["stages", stages], ["built", (a.created_at || "") + " (" + ago(a.created_at) + ")"],
+        ["pull", h("div", { class: "copy" }, "kiln pull " + a.repository + "@" + a.digest + " ./engine")]])),
+    h("div", { class: "cols" },
+      h("section", { class: "card", id: "validation" },
+        h("h2", null, "Validation", badge(v.passed ? "pass" : "fail"), h("span", { class: "muted" }, reportLink)),
+        metricsTable(m), h("h3", null, "Gates"), gatesTable(v.gates)),
+      h("section", { class: "card", id: "charts" },
+        h("h2", null, "Throughput", h("span", { class: "muted" }, "prefill tokens/s inside the profile's envelope")),
+        charts, throughputTable(m.throughput))),
+    h("section", { class: "card" }, h("details", null, h("summary", null, "provenance (JSON)"),
+      h("pre", { class: "json" }, JSON.stringify(prov, null, 2)))));
+  for (const by of ["batch", "seq"]) {
+    const src = state.token ? await blobUrl(path + "/throughput.svg?by=" + by) : path + "/throughput.svg?by=" + by;
+    charts.append(h("img", { src, alt: "tokens/s against " + (by === "batch" ? "batch size" : "sequence length"),
+      width: 520, height: 280, "data-chart": by }));
+  }
+  document.title = a.repository + ":" + a.tag + " — Kiln";
+  return false;  // an engine's page changes rarely: no polling
+}
+
+// -- routing and polling ---------------------------------------------------------------------------------------
+async function refresh() {
+  clearTimeout(state.timer);
+  const view = document.getElementById("view");
+  const route = decodeURIComponent(location.hash.replace(/^#\/?/, ""));
+  let poll = true;
+  try {
+    if (route.startsWith("engine/")) {
+      poll = await renderEngine(view, route.slice("engine/".length));
+    } else {
+      document.title = "Kiln";
+      await renderHome(view);
+    }
+    showError(null);
+  } catch (err) {
+    if (err instanceof HttpError && err.status === 404) {
+      view.replaceChildren(h("p", null, h("a", { href: "#/" }, "← back")), h("p", { class: "banner" }, err.message));
+      poll = false;
+    } else if (!(err instanceof HttpError && (err.status === 401 || err.status === 403))) {
+      showError(err);
+    }
+  }
+  if (poll !== false) state.timer = setTimeout(refresh, POLL_MS);
+}
+
+document.getElementById("auth-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  state.token = document.getElementById("token").value.trim();
+  localStorage.setItem("kiln.token", state.token);
+  document.getElementById("auth").hidden = true;
+  refresh();
+});
+window.addEventListener("hashchange", refresh);
+refresh();

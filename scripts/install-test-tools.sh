@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# System tools some integration tests drive (Debian packages): skopeo (OCI client) and chromium (dashboard).
+set -u
+need=()
+command -v skopeo >/dev/null || need+=(skopeo)
+command -v chromium >/dev/null || need+=(chromium)
+[ ${#need[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" != 0 ]; then echo "install-test-tools: not root; skipping ${need[*]}" >&2; exit 1; fi
+apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
