@@ -24,7 +24,7 @@ def _limits(lim: dict) -> str:
 def print_report(report: dict, model: str | None) -> None:
     t, c = report["traffic"], report["traffic"]["concurrency"]
     s = report["service_model"]
-    click.echo(f"traffic: {t['requests']:,} requests over {t['window_s']:,.1f} s; prompt p50 {t['prompt_tokens']['p50']} "
+    click.echo(f"traffic: {t['requests']:,} request{'s' if t['requests'] != 1 else ''} over {t['window_s']:,.1f} s; prompt p50 {t['prompt_tokens']['p50']} "
                f"/ p95 {t['prompt_tokens']['p95']} / max {t['prompt_tokens']['max']}; prompt+output p95 "
                f"{t['total_tokens']['p95']} / max {t['total_tokens']['max']}; concurrency mean {c['mean']:.2f}, "
                f"p95 {c['p95']}, peak {c['peak']}")

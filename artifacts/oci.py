@@ -81,8 +81,9 @@ def push_engine_image(
     """
     with tempfile.TemporaryDirectory(prefix="kiln-layer-") as tmp:
         tar_path = Path(tmp) / "layer.tar"
-        write_tar(engine_dir, tar_path)
-        layer = store.put_file(tar_path)
+        digest = write_tar(engine_dir, tar_path)  # hashed while written: one read pass fewer on upload
+        with open(tar_path, "rb") as f:
+            layer = store.put_stream(f, expected_digest=digest)
     config = {
         "created": created,
         "architecture": "amd64",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +27,16 @@ def is_precondition_failed(error: ClientError) -> bool:
     return error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
 
 
+UPLOAD_THREADS = 8
+
+
+def _upload_part(client: Any, bucket: str, key: str, upload_id: str, number: int, data: bytes) -> dict:
+    checksum = b64_sha256(data)
+    answer = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data,
+                                ChecksumSHA256=checksum)
+    return {"ETag": answer["ETag"], "PartNumber": number, "ChecksumSHA256": checksum}
+
+
 def upload_in_parts(
     client: Any, bucket: str, key: str, parts: Iterable[bytes], decide: Callable[[str], bool], *, create_only: bool
 ) -> tuple[str, int, bool]:
@@ -38,14 +50,17 @@ def upload_in_parts(
     upload_id = client.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256")["UploadId"]
     hasher, size, done = hashlib.sha256(), 0, []
     try:
-        for number, data in enumerate(parts, start=1):
-            hasher.update(data)
-            size += len(data)
-            checksum = b64_sha256(data)
-            answer = client.upload_part(
-                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data, ChecksumSHA256=checksum
-            )
-            done.append({"ETag": answer["ETag"], "PartNumber": number, "ChecksumSHA256": checksum})
+        # Parts go up on a few threads (boto3 clients are thread-safe) while this thread reads and hashes the
+        # next ones; at most 2 × UPLOAD_THREADS parts are held in memory.
+        with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+            pending: deque = deque()
+            for number, data in enumerate(parts, start=1):
+                hasher.update(data)
+                size += len(data)
+                pending.append(pool.submit(_upload_part, client, bucket, key, upload_id, number, data))
+                if len(pending) >= 2 * UPLOAD_THREADS:
+                    done.append(pending.popleft().result())
+            done += [f.result() for f in pending]
         digest = "sha256:" + hasher.hexdigest()
         if not decide(digest):
             _abort(client, bucket, key, upload_id)

@@ -25,14 +25,36 @@ from typing import BinaryIO
 _BUFSIZE = 1 << 20
 
 
-def write_tar(src_dir: Path, dest: Path) -> None:
+class _HashingWriter:
+    """A file wrapper that hashes what is written through it (the tar's digest in the same pass)."""
+
+    def __init__(self, f):
+        self.f, self.h = f, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.h.update(data)
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
+def write_tar(src_dir: Path, dest: Path) -> str:
     """Write a deterministic, uncompressed tar of ``src_dir``'s content (not the directory itself)
-    to ``dest``. Refuses symlinks and anything else that is not a regular file or a directory."""
+    to ``dest`` and return its digest. Refuses symlinks and anything else that is not a regular file
+    or a directory."""
     src_dir = Path(src_dir)
     if not src_dir.is_dir():
         raise NotADirectoryError(f"{src_dir} is not a directory")
     entries = list(_walk(src_dir, ""))  # refuse before writing anything
-    with open(dest, "wb") as out, tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    with open(dest, "wb") as raw:
+        out = _HashingWriter(raw)
+        _write_entries(out, entries)
+    return "sha256:" + out.h.hexdigest()
+
+
+def _write_entries(out, entries) -> None:
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name, path, st in entries:
             info = tarfile.TarInfo(name)
             info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""

@@ -1,4 +1,8 @@
-"""Stage 4, validate: measure the artifact as a deployer loads it and decide with gates."""
+"""Stage 4, validate: measure the artifact as a deployer loads it and decide with gates.
+
+The report (``validate``'s return value) holds ``passed``, ``metrics`` (accuracy, throughput, TTFT/TPOT, peak
+memory), ``gates`` (one verdict per judged gate), ``regression`` (the comparison with the previous validated
+engine of the same target) and ``conditions`` (what produced each figure)."""
 
 from __future__ import annotations
 
@@ -8,9 +12,12 @@ import torch
 
 from kiln.errors import SpecError
 from kiln.spec import BuildSpec
-from validation.gates import evaluate
-from validation.measure import accuracy, conditions, throughput
+from validation.gates import evaluate, judged_gates, regression
+from validation.measure import accuracy, conditions, decode_latency, peak_memory, throughput, throughput_point
 from validation.runners import Runner
+
+PREVIOUS_STATUSES = ("fresh", "stale")  # validated and not withdrawn (stale: built from an older checkpoint head)
+RECHECK_REPS = 9
 
 
 def eval_tokens(tokenizer_dir: Path, text: str, spec: BuildSpec) -> tuple[torch.Tensor, int]:
@@ -27,11 +34,78 @@ def eval_tokens(tokenizer_dir: Path, text: str, spec: BuildSpec) -> tuple[torch.
 
 
 def validate(engine: Runner, reference: Runner, tokenizer_dir: Path, eval_text: str, spec: BuildSpec,
-             gates: dict[str, float], vocab: int) -> dict:
+             gates: dict[str, float], vocab: int, *, previous: dict | None = None,
+             engine_source: tuple[str, Path] | None = None) -> dict:
+    """``previous``: the engine to compare with (:func:`previous_engine`), or None. ``engine_source``:
+    (backend, engine_dir), so that peak memory is measured in a fresh process that loads the engine itself."""
     ids, seq = eval_tokens(tokenizer_dir, eval_text, spec)
-    batch = min(spec.batch_profile.max_batch_size, 16)
+    profile = spec.batch_profile
+    batch = min(profile.max_batch_size, 16)
     metrics = accuracy(engine, reference, ids, seq, batch)
-    metrics["throughput"] = throughput(engine, spec.batch_profile, vocab)
-    verdicts = evaluate(metrics, gates)
-    return {"passed": all(v["passed"] for v in verdicts), "metrics": metrics, "gates": verdicts,
-            "conditions": {**conditions(engine), "eval_batch": batch}}
+    metrics["throughput"] = throughput(engine, profile, vocab)
+    latency = decode_latency(engine, profile, vocab)
+    metrics.update(ttft_ms=latency["ttft_ms"], tpot_ms=latency["tpot_ms"], latency=latency["points"])
+    memory = peak_memory(engine, profile, vocab, source=engine_source)
+    metrics["peak_memory_bytes"] = memory["peak_memory_bytes"]
+    cond = conditions(engine)
+
+    judged, sources = judged_gates(gates, spec.target)
+    verdicts = evaluate(metrics, judged)
+
+    def remeasure(b: int, s: int) -> float:
+        return throughput_point(engine, b, s, vocab, warmup=1, reps=RECHECK_REPS)["tokens_per_s_best"]
+
+    record, more = regression(metrics, cond, previous, judged, remeasure=remeasure,
+                              override_reason=getattr(spec, "override_reason", None))
+    verdicts += more
+    return {
+        "passed": all(v["passed"] for v in verdicts), "metrics": metrics, "gates": verdicts, "regression": record,
+        "conditions": {
+            **cond, "eval_batch": batch,
+            "accuracy": {"tokens": metrics["tokens"], "seq_len": seq, "batch": batch,
+                         "reference": type(reference).__name__, "statistic": "over every evaluation window"},
+            "throughput": {"warmup": 1, "reps": 3, "statistic": "tokens_per_s: median run; tokens_per_s_best: fastest run",
+                           "input": "seeded random token ids", "what": "one forward (prefill) per run"},
+            "latency": latency["conditions"],
+            "memory": memory["conditions"],
+            "gate_sources": sources,
+        },
+    }
+
+
+def previous_engine(sessions, spec: BuildSpec, build_key: str, data: dict | None = None) -> dict | None:
+    """The newest validated engine (fresh or stale, never revoked or rejected) of the same target as ``spec`` —
+    same repository, precision, KV cache, target, backend, tensor-parallel size and batch profile (name and
+    limits) — with another BuildKey; None when there is none. A plain dict, detached from the session.
+    ``same_evaluation`` says whether it was evaluated on the same text (``data``) with the same settings."""
+    from sqlalchemy import select
+
+    from kiln.models import Artifact
+
+    with sessions() as session:
+        rows = session.scalars(
+            select(Artifact).where(
+                Artifact.repository == spec.model_name, Artifact.precision == spec.precision,
+                Artifact.target == spec.target, Artifact.backend == spec.backend,
+                Artifact.profile == spec.batch_profile.name, Artifact.status.in_(PREVIOUS_STATUSES),
+                Artifact.build_key != build_key,
+            ).order_by(Artifact.created_at.desc()).limit(50))
+        for row in rows:
+            pspec = (row.provenance or {}).get("spec") or {}
+            prof = pspec.get("profile")
+            limits = {k: prof.get(k) for k in spec.batch_profile.limits()} if isinstance(prof, dict) else None
+            if limits != spec.batch_profile.limits() or pspec.get("kv_cache", "none") != spec.kv_cache \
+                    or pspec.get("tp_size", 1) != spec.tp_size:
+                continue
+            validation = row.validation or {}
+            if not validation.get("metrics"):
+                continue
+            pdata = (row.provenance or {}).get("data") or {}
+            settings = {k: v for k, v in (pspec.get("evaluation") or {}).items() if k != "dataset"}
+            same_eval = (settings == spec.evaluation.model_dump(exclude={"dataset"})
+                         and (data is None or pdata.get("evaluation") == data.get("evaluation")))
+            return {"digest": row.digest, "build_key": row.build_key, "status": row.status,
+                    "created_at": row.created_at.isoformat() if row.created_at else None,
+                    "metrics": validation["metrics"], "conditions": validation.get("conditions") or {},
+                    "same_evaluation": same_eval}
+    return None

@@ -123,7 +123,7 @@ def svg_chart(series: list[tuple[int, float]], *, title: str, x_label: str, y_la
         out.append(f'<polyline points="{pts}" fill="none" stroke="#2563eb" stroke-width="2"/>')
     for (xv, yv), x, y in zip(series, xs, ys):
         out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="#2563eb"><title>{xv}: {yv:,.0f} tokens/s</title></circle>')
-        out.append(f'<text x="{x:.1f}" y="{y - 8:.1f}" text-anchor="middle" fill="#1f2933">{_fmt(round(yv))}</text>')
+        out.append(f'<text x="{x:.1f}" y="{y - 8:.1f}" text-anchor="middle" fill="#1f2933">{yv:,.0f}</text>')
     out.append(f'<text x="{left + pw / 2}" y="{height - 10}" text-anchor="middle" fill="#3e4c59">{e(x_label)}</text>')
     out.append(f'<text transform="translate(14 {top + ph / 2}) rotate(-90)" text-anchor="middle" fill="#3e4c59">'
                f'{e(y_label)}</text>')

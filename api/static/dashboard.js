@@ -16,7 +16,7 @@ function h(tag, attrs, ...children) {
     else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
     else el.setAttribute(k, v === true ? "" : String(v));
   }
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c === null || c === undefined || c === false) continue;
     el.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
@@ -57,9 +57,15 @@ function shortDigest(d) { return d ? d.slice(0, 19) + "…" : ""; }
 function badge(text, kind) { return h("span", { class: "badge b-" + (kind || text) }, text); }
 function engineHref(digest) { return "#/engine/" + encodeURIComponent(digest); }
 
+// The index stores UTC; SQLite hands timestamps back without an offset, which Date.parse would read as local time.
+function parseTime(iso) {
+  if (!iso) return NaN;
+  return Date.parse(/(Z|[+-]\d\d:?\d\d)$/.test(iso) ? iso : iso + "Z");
+}
+
 function ago(iso) {
   if (!iso) return "";
-  const s = (Date.now() - Date.parse(iso)) / 1000;
+  const s = (Date.now() - parseTime(iso)) / 1000;
   if (!isFinite(s)) return "";
   if (s < 60) return Math.max(0, Math.round(s)) + " s ago";
   if (s < 3600) return Math.round(s / 60) + " min ago";
@@ -75,8 +81,8 @@ function secs(v) {
 
 function duration(b) {
   if (!b.started_at) return "";
-  const end = b.finished_at ? Date.parse(b.finished_at) : Date.now();
-  return secs((end - Date.parse(b.started_at)) / 1000);
+  const end = b.finished_at ? parseTime(b.finished_at) : Date.now();
+  return secs((end - parseTime(b.started_at)) / 1000);
 }
 
 function bytes(n) {
@@ -267,7 +273,7 @@ function throughputTable(points) {
   if (!points || !points.length) return null;
   return h("table", { id: "throughput" },
     h("thead", null, h("tr", null, ["batch", "sequence", "tokens/s", "median s"].map((t) => h("th", null, t)))),
-    h("tbody", null, points.map((p) => h("tr", null, h("td", { class: "num" }, p.batch_size), h("td", { class: "num" }, p.seq_len),
+    h("tbody", null, points.slice().sort((x, y) => x.batch_size - y.batch_size || x.seq_len - y.seq_len).map((p) => h("tr", null, h("td", { class: "num" }, p.batch_size), h("td", { class: "num" }, p.seq_len),
       h("td", { class: "num" }, Math.round(p.tokens_per_s).toLocaleString()),
       h("td", { class: "num" }, typeof p.seconds_median === "number" ? p.seconds_median.toFixed(4) : "")))));
 }

@@ -17,10 +17,27 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def s3(tmp_path_factory):
+    """An S3 server over real HTTP (moto) holding the engine store."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    creds = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                 region_name="us-east-1").create_bucket(Bucket="kiln")
+    yield {"KILN_STORE_URL": "s3://kiln/engines", "KILN_S3_ENDPOINT_URL": endpoint, **creds}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, s3):
     with postgres_database() as db_url:
         home = tmp_path_factory.mktemp("service") / "kiln"
-        s = Stack(home, {"KILN_DATABASE_URL": db_url, "KILN_BROKER_URL": redis_url()})
+        s = Stack(home, {"KILN_DATABASE_URL": db_url, "KILN_BROKER_URL": redis_url(), **s3})
+        s.s3 = s3
         up = s.kiln("db", "upgrade")
         assert up.returncode == 0, up.stderr
         s.db_url = db_url
@@ -64,7 +81,13 @@ def test_trtllm_build_waits_for_a_gpu_worker(stack):
 
 
 def test_submit_follow_events_query_and_dedupe(stack):
-    api_checks.submit_follow_and_query(stack, tiny_spec(gates={"max_mean_kl": 0.5}))
+    done = api_checks.submit_follow_and_query(stack, tiny_spec(gates={"max_mean_kl": 0.5}))
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=stack.s3["KILN_S3_ENDPOINT_URL"], aws_access_key_id="test",
+                          aws_secret_access_key="test", region_name="us-east-1")
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket="kiln", Prefix="engines/")["Contents"]}
+    assert f"engines/blobs/sha256/{done['digest'].split(':')[1]}" in keys  # published to S3 over HTTP
 
 
 def test_bad_requests(stack):

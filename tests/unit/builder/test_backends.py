@@ -44,10 +44,12 @@ EXPECTED_LIMITS = {  # batch, input, seq, tokens of the named profiles
 }
 
 
-@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("precision, gemm", [("fp8", "auto"), ("nvfp4", "nvfp4")])
 @pytest.mark.parametrize("profile", sorted(PROFILES))
-def test_build_argv_for_every_named_profile(profile, precision):
+def test_build_argv_for_every_named_profile(profile, precision, gemm):
     b, i, s, t = EXPECTED_LIMITS[profile]
+    # FP8: the GEMM plugin in the model dtype (FP8 linears run on TensorRT's FP8 kernels); NVFP4: the NVFP4 GEMM
+    # plugin, which TensorRT-LLM 1.x's builder selects for NVFP4 checkpoints anyway unless explicitly disabled.
     assert build_argv(spec(profile=profile, precision=precision), CKPT_DIR, OUT_DIR) == [
         "trtllm-build",
         "--checkpoint_dir", "/q/trtllm",
@@ -57,16 +59,21 @@ def test_build_argv_for_every_named_profile(profile, precision):
         "--max_seq_len", s,
         "--max_num_tokens", t,
         "--kv_cache_type", "paged",
-        "--gemm_plugin", "auto",
+        "--gemm_plugin", gemm,
         "--workers", "1",
     ]
 
 
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
-def test_fp8_kv_cache_enables_paged_context_fmha(precision):
+def test_fp8_kv_cache_enables_paged_fp8_context_fmha(precision):
     argv = build_argv(spec(precision=precision, kv_cache="fp8", profile="balanced"), CKPT_DIR, OUT_DIR)
     plain = build_argv(spec(precision=precision, profile="balanced"), CKPT_DIR, OUT_DIR)
-    assert argv == plain + ["--use_paged_context_fmha", "enable"]
+    assert argv == plain[:-2] + ["--use_paged_context_fmha", "enable", "--use_fp8_context_fmha", "enable"] + plain[-2:]
+
+
+def test_build_argv_never_gathers_context_logits():
+    for kw in ({}, {"kv_cache": "fp8"}, {"precision": "nvfp4", "tp_size": 2}):
+        assert not any("logits" in a for a in build_argv(spec(**kw), CKPT_DIR, OUT_DIR))
 
 
 def test_build_argv_workers_follow_tensor_parallel_size():
@@ -88,13 +95,17 @@ def test_trtllm_plan_is_the_argv_on_the_trtllm_export():
     s = spec(profile="throughput")
     plan = TRTLLMBackend().plan(s, Path("/cache/q1"), OUT_DIR)
     assert plan["commands"] == [build_argv(s, Path("/cache/q1/trtllm"), OUT_DIR)]
-    assert plan["steps"]
+    assert all(isinstance(a, str) for cmd in plan["commands"] for a in cmd)
+    assert plan["profile"] == PROFILES["throughput"].model_dump() and plan["tp_size"] == 1
+    assert plan["plugins"] == {"--gemm_plugin": "auto"} and plan["steps"]
 
 
 # -- engine config checks --------------------------------------------------------------------------
 def engine_config(*, quant_algo="FP8", kv_algo=None, tp_size=1, batch=1, inp=256, seq=512, tokens=512, paged=True):
     """HAND-MADE: an engine config.json laid out as TensorRT-LLM 1.2's EngineConfig.to_dict() writes it
-    (version, pretrained_config{..., mapping, quantization}, build_config{max_*, kv_cache_type, plugin_config})."""
+    (version, pretrained_config{..., mapping, quantization}, build_config{max_*, kv_cache_type, plugin_config}).
+    The plugin values are what 1.x's builder leaves for Kiln's argv (read in tensorrt_llm/builder.py): the NVFP4
+    GEMM plugin for NVFP4; paged context FMHA on (the default); FP8 context FMHA on exactly with an FP8 KV cache."""
     return {
         "version": "1.2.1",
         "pretrained_config": {
@@ -108,8 +119,9 @@ def engine_config(*, quant_algo="FP8", kv_algo=None, tp_size=1, batch=1, inp=256
             "max_input_len": inp, "max_seq_len": seq, "opt_batch_size": 8, "max_batch_size": batch,
             "max_beam_width": 1, "max_num_tokens": tokens, "opt_num_tokens": None,
             "kv_cache_type": "PAGED" if paged else "CONTINUOUS", "strongly_typed": True,
-            "plugin_config": {"dtype": "float16", "gemm_plugin": "auto", "gpt_attention_plugin": "auto",
-                              "paged_kv_cache": paged, "tokens_per_block": 64, "use_paged_context_fmha": False,
+            "plugin_config": {"dtype": "float16", "gemm_plugin": "nvfp4" if quant_algo == "NVFP4" else "auto",
+                              "gpt_attention_plugin": "auto", "paged_kv_cache": paged, "tokens_per_block": 32,
+                              "use_paged_context_fmha": True, "use_fp8_context_fmha": kv_algo == "FP8",
                               "remove_input_padding": True, "context_fmha": True},
         },
     }
@@ -127,7 +139,8 @@ def test_matching_engine_with_fp8_kv_and_tp():
 
 def test_mismatched_quant_algo_is_reported():
     problems = check_engine_config(engine_config(quant_algo="FP8"), spec(precision="nvfp4"))
-    assert len(problems) == 1 and "quant_algo" in problems[0] and "NVFP4" in problems[0]
+    assert "quant_algo" in problems[0] and "NVFP4" in problems[0]
+    assert len(problems) == 2 and "gemm_plugin" in problems[1]  # an FP8 engine has no NVFP4 GEMM plugin either
     assert check_engine_config(engine_config(quant_algo=None), spec())[0].startswith("quant_algo is None")
 
 
@@ -151,6 +164,10 @@ def test_mismatched_tp_size_is_reported():
 def test_non_paged_kv_cache_is_reported():
     problems = check_engine_config(engine_config(paged=False), spec())
     assert len(problems) == 1 and "paged_kv_cache" in problems[0]
+    cfg = engine_config()
+    cfg["build_config"]["kv_cache_type"] = "CONTINUOUS"  # paged_kv_cache left unset
+    del cfg["build_config"]["plugin_config"]["paged_kv_cache"]
+    assert len(check_engine_config(cfg, spec())) == 1
 
 
 def test_every_mismatch_is_reported_at_once():

@@ -1,0 +1,142 @@
+"""The dashboard in a real headless Chromium against ``kiln serve`` with one engine built through the API: the
+page's JavaScript renders the build and the engine, the engine's page its validation and charts; plus /metrics
+and ``kiln fit`` over that real index.
+
+Needs Chromium (Debian: ``apt-get install -y chromium``); skipped with a message when it is not installed.
+Set KILN_DASHBOARD_SCREENSHOTS=<dir> to keep the screenshots."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.stack import Stack, tiny_spec
+
+pytestmark = pytest.mark.slow
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+         "--disable-dev-shm-usage"]
+
+
+def browser() -> str:
+    for name in BROWSERS:
+        if path := shutil.which(name):
+            return path
+    pytest.skip("headless Chromium is not installed (Debian: apt-get install -y chromium); the dashboard's "
+                "browser test needs it")
+
+
+def chromium(profile_dir, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([browser(), *FLAGS, f"--user-data-dir={profile_dir}", *args], capture_output=True,
+                          timeout=timeout)
+
+
+def dump_dom(profile_dir, url: str) -> str:
+    r = chromium(profile_dir, "--virtual-time-budget=5000", "--dump-dom", url)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")[-2000:]
+    return r.stdout.decode()
+
+
+def screenshot(profile_dir, url: str, out, size: str = "1280,900") -> bytes:
+    r = chromium(profile_dir, "--virtual-time-budget=5000", f"--window-size={size}", f"--screenshot={out}", url)
+    assert r.returncode == 0 and out.is_file(), r.stderr.decode(errors="replace")[-2000:]
+    keep = os.environ.get("KILN_DASHBOARD_SCREENSHOTS")
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        shutil.copy(out, os.path.join(keep, out.name))
+    return out.read_bytes()
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    browser()  # skip before building anything
+    s = Stack(tmp_path_factory.mktemp("dash") / "kiln", {})
+    for var in ("KILN_DATABASE_URL", "KILN_BROKER_URL", "KILN_STORE_URL", "KILN_BOOTSTRAP_TOKEN", "KILN_AUTH"):
+        s.env.pop(var, None)
+    s.start("serve", "serve", "--port", str(s.port))
+    try:
+        s.wait_http("/healthz")
+        r = s.post("/v1/builds", tiny_spec())
+        assert r.status_code in (200, 202), r.text
+        done = s.wait_build(r.json()["id"])
+        assert done["status"] == "succeeded", done
+        s.build = done
+        yield s
+    finally:
+        s.close()
+
+
+def test_dashboard_shows_the_build_and_the_engine(served, tmp_path):
+    build, digest = served.build, served.build["digest"]
+    dom = dump_dom(tmp_path / "profile", served.url + "/")
+    assert f'data-build="{build["id"]}"' in dom and build["id"][:12] in dom  # the build row, rendered by the JS
+    assert f'data-digest="{digest}"' in dom and digest[:19] in dom  # its engine in the builds and engines tables
+    assert "succeeded" in dom and 'data-model="tiny-llama"' in dom and "fresh" in dom
+    assert "tiny-llama:fp8-cpu-latency-checkpoint" in dom  # the tag
+    assert "Loading…" not in dom and 'id="error" class="banner" hidden' in dom
+
+    png = screenshot(tmp_path / "profile", served.url + "/", tmp_path / "dashboard.png")
+    assert png_size(png) == (1280, 900) and len(png) > 20_000  # a rendered page, not a blank one
+
+
+def test_engine_page_shows_validation_and_charts(served, tmp_path):
+    digest = served.build["digest"]
+    url = f"{served.url}/#/engine/{digest}"
+    dom = dump_dom(tmp_path / "profile", url)
+    assert f'id="engine" data-digest="{digest}"' in dom
+    assert "max_ppl_increase_pct" in dom and "top-1 agreement" in dom and "kiln pull tiny-llama@" + digest in dom
+    assert dom.count("data-chart=") == 2 and "/report.html" in dom
+    png = screenshot(tmp_path / "profile", url, tmp_path / "engine.png", size="1280,1400")
+    assert png_size(png) == (1280, 1400) and len(png) > 20_000
+    svg = served.get(f"/v1/artifacts/{digest}/throughput.svg")
+    assert svg.status_code == 200 and b"<circle" in svg.content
+
+
+def test_metrics_over_the_real_index(served):
+    text = served.get("/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    builds = {s.labels["status"]: s.value for s in fams["kiln_builds"].samples}
+    assert builds["succeeded"] >= 1
+    counts = {s.labels["stage"]: s.value for s in fams["kiln_stage_duration_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts["quantize"] + fams_value(fams, "kiln_cache_hits", "quantize") >= 1
+    assert fams_value(fams, "kiln_workers_live") == 1
+    assert {s.labels["status"]: s.value for s in fams["kiln_artifacts"].samples}["fresh"] >= 1
+
+
+def fams_value(fams, name: str, stage: str | None = None) -> float:
+    for s in fams[name].samples:
+        if stage is None or s.labels.get("stage") == stage:
+            if s.name in (name, name + "_total"):
+                return s.value
+    raise AssertionError(f"{name} {stage} not scraped")
+
+
+def test_kiln_fit_against_the_built_engine(served, tmp_path):
+    traffic = tmp_path / "traffic.jsonl"
+    # 20 requests, one at a time, all within the latency profile (input 256, sequence 512)
+    traffic.write_text("".join(json.dumps({"prompt_tokens": 100 + i, "output_tokens": 50, "arrival_s": 10.0 * i})
+                               + "\n" for i in range(20)))
+    r = served.kiln("fit", "--traffic", str(traffic), "--model", "tiny-llama", "--json", "--server", served.url)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    (engine,) = report["engines"]
+    assert engine["digest"] == served.build["digest"] and engine["coverage"] == 1.0 and report["drifted"] == []
+    # the same traffic twice as long: over max_seq_len 512 → drift, and the CLI can fail a pipeline on it
+    traffic.write_text("".join(json.dumps({"prompt_tokens": 200, "output_tokens": 400, "arrival_s": 10.0 * i})
+                               + "\n" for i in range(20)))
+    r = served.kiln("fit", "--traffic", str(traffic), "--model", "tiny-llama", "--fail-on-drift")
+    assert r.returncode == 1 and "DRIFT" in r.stdout, r.stdout + r.stderr

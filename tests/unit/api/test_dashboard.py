@@ -1,0 +1,245 @@
+"""The dashboard's server side: the page and its static files, /v1/tags, the throughput SVG and the report page,
+POST /v1/fit, and ``kiln fit`` (local index and --json). The page in a real browser: tests/integration/test_dashboard.py."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.cli import main
+from api.routes.dashboard import STATIC, svg_chart, throughput_series
+from kiln import db
+from kiln.models import Artifact, Tag
+from kiln.settings import Settings, get_settings
+from kiln.spec import PROFILES
+
+SVG = "{http://www.w3.org/2000/svg}"
+POINTS = [{"batch_size": b, "seq_len": s, "tokens_per_s": tps, "seconds_median": 0.01}
+          for b, s, tps in ((1, 256, 20000.0), (2, 256, 36000.0), (4, 256, 50000.0), (8, 256, 61000.0),
+                            (1, 64, 9000.0), (1, 128, 15000.0))]
+VALIDATION = {"passed": True, "metrics": {"perplexity": 39.49, "reference_perplexity": 39.35, "ppl_increase_pct": 0.36,
+                                          "top1_agreement": 0.936, "mean_kl": 0.008, "tokens": 1024, "throughput": POINTS},
+              "gates": [{"name": "max_ppl_increase_pct", "value": 0.36, "threshold": 3.0, "passed": True},
+                        {"name": "min_top1_agreement", "value": 0.936, "threshold": 0.85, "passed": True}]}
+
+
+def add_engine(sessions, *, model="acme/tiny", profile="latency", status="fresh", limits=None, validation=None,
+               tag=None) -> str:
+    d = "sha256:" + uuid.uuid4().hex * 2
+    prof = limits or PROFILES[profile].model_dump()
+    with sessions() as s:
+        s.add(Artifact(digest=d, build_key=d, repository=model, tag=f"fp8-cpu-{profile}-checkpoint", status=status,
+                       precision="fp8", target="cpu", profile=profile, backend="checkpoint",
+                       checkpoint_ref=f"hf://{model}@main", checkpoint_digest=d, checkpoint_revision="a" * 40,
+                       size=5_000_000, provenance={"spec": {"profile": prof}, "toolchain": {"torch": "2.13"}},
+                       validation=validation if validation is not None else VALIDATION))
+        if tag:
+            s.add(Tag(repository=model, name=tag, digest=d))
+        s.commit()
+    return d
+
+
+@pytest.fixture
+def app_env(tmp_path):
+    settings = Settings(home=tmp_path / "home")
+    db.upgrade(settings.db_url)
+    app = create_app(settings, enqueue=lambda *a, **k: None)
+    return TestClient(app), app.state.sessions
+
+
+def bursts_jsonl(seed: int) -> list[str]:
+    """4 bursts of 10 simultaneous 1-second requests, 10 s apart (see tests/unit/validation/test_fit.py): batch 1
+    covers 27 of 31 seconds."""
+    rows = [{"prompt_tokens": 64, "output_tokens": 64, "arrival_s": 10.0 * b, "duration_s": 1.0}
+            for b in range(4) for _ in range(10)]
+    random.Random(seed).shuffle(rows)
+    return [json.dumps(r) for r in rows]
+
+
+# -- page and static files ----------------------------------------------------------------------------------------
+def test_root_serves_the_dashboard_and_its_static_files(app_env):
+    client, _ = app_env
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script src="/static/dashboard.js">' in page.text and "/static/dashboard.css" in page.text
+    js = client.get("/static/dashboard.js")
+    assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+    assert client.get("/static/dashboard.css").headers["content-type"].startswith("text/css")
+    assert client.get("/static/nothing.js").status_code == 404
+
+
+def test_static_files_reference_nothing_outside_the_api():
+    for p in STATIC.iterdir():
+        text = p.read_text()
+        assert "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text, p
+        assert ".innerHTML" not in text, f"{p}: API values must go in as text"
+
+
+def test_static_files_are_package_data():
+    import tomllib
+
+    data = tomllib.loads((STATIC.parent.parent / "pyproject.toml").read_text())
+    assert "static/*" in data["tool"]["setuptools"]["package-data"]["api"]
+
+
+# -- tags -----------------------------------------------------------------------------------------------------------
+def test_tags_filtered_by_model_and_digest(app_env):
+    client, sessions = app_env
+    a = add_engine(sessions, tag="fp8-cpu-latency-checkpoint")
+    b = add_engine(sessions, model="acme/other", tag="fp8-cpu-latency-checkpoint")
+    add_engine(sessions, model="acme/other", profile="balanced")
+    assert {t["digest"] for t in client.get("/v1/tags").json()["tags"]} == {a, b}
+    only = client.get("/v1/tags", params={"model": "acme/tiny"}).json()["tags"]
+    assert [(t["repository"], t["name"], t["digest"]) for t in only] == [("acme/tiny", "fp8-cpu-latency-checkpoint", a)]
+    assert [t["digest"] for t in client.get("/v1/tags", params={"digest": b}).json()["tags"]] == [b]
+    assert client.get("/v1/tags", params={"digest": "sha256:nothex"}).status_code == 400
+
+
+# -- charts and report ----------------------------------------------------------------------------------------------
+def test_throughput_series():
+    by_batch, fixed = throughput_series(POINTS, "batch")
+    assert by_batch == [(1, 20000.0), (2, 36000.0), (4, 50000.0), (8, 61000.0)] and fixed == "sequence length 256"
+    by_seq, fixed = throughput_series(POINTS, "seq")
+    assert by_seq == [(64, 9000.0), (128, 15000.0), (256, 20000.0)] and fixed == "batch size 1"
+    assert throughput_series([{"batch_size": "x"}], "batch") == ([], "")
+
+
+def test_throughput_svg_is_well_formed(app_env):
+    client, sessions = app_env
+    d = add_engine(sessions)
+    r = client.get(f"/v1/artifacts/{d}/throughput.svg")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("image/svg+xml")
+    root = ET.fromstring(r.content)
+    assert root.tag == f"{SVG}svg"
+    assert len(root.findall(f"{SVG}circle")) == 4 and root.find(f"{SVG}polyline") is not None
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    assert "Prefill throughput vs batch size (sequence length 256)" in texts and "61,000" in texts
+    seq = ET.fromstring(client.get(f"/v1/artifacts/{d}/throughput.svg?by=seq").content)
+    assert len(seq.findall(f"{SVG}circle")) == 3
+    assert client.get(f"/v1/artifacts/{d}/throughput.svg?by=nope").status_code == 422
+    assert client.get(f"/v1/artifacts/sha256:{'0' * 64}/throughput.svg").status_code == 404
+
+
+def test_chart_without_points_and_with_hostile_text():
+    empty = ET.fromstring(svg_chart([], title="t", x_label="x", y_label="y"))
+    assert "no throughput points" in [t.text for t in empty.iter(f"{SVG}text")]
+    odd = ET.fromstring(svg_chart([(1, 5.0)], title='<script>"&', x_label="x", y_label="y"))
+    assert '<script>"&' in [t.text for t in odd.iter(f"{SVG}text")]  # escaped in the markup, intact as text
+
+
+def test_report_page(app_env):
+    client, sessions = app_env
+    d = add_engine(sessions)
+    r = client.get(f"/v1/artifacts/{d}/report.html")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert d in r.text and "PASSED" in r.text and "max_ppl_increase_pct" in r.text and r.text.count("<svg") == 2
+    assert "<script" not in r.text and "default-src 'none'" in r.headers["content-security-policy"]
+    failed = add_engine(sessions, status="rejected", validation={"passed": False})
+    assert "FAILED" in client.get(f"/v1/artifacts/{failed}/report.html").text
+
+
+# -- POST /v1/fit ---------------------------------------------------------------------------------------------------
+def test_fit_endpoint_flags_drifted_engines(app_env):
+    client, sessions = app_env
+    latency = add_engine(sessions, profile="latency")
+    throughput = add_engine(sessions, profile="throughput")
+    add_engine(sessions, profile="balanced", status="stale")  # not fresh: not judged
+    traffic = [json.loads(line) for line in bursts_jsonl(1)]
+    r = client.post("/v1/fit", json={"traffic": traffic, "model": "acme/tiny"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "acme/tiny" and body["best_profile"] == "throughput" and body["threshold"] == 0.95
+    engines = {e["digest"]: e for e in body["engines"]}
+    assert set(engines) == {latency, throughput}
+    assert engines[latency]["drifted"] is True and engines[latency]["batch_coverage"] == 27 / 31
+    assert engines[throughput]["drifted"] is False and engines[throughput]["coverage"] == 1.0
+    assert body["drifted"] == [latency]
+    # a JSON-lines string works too, and a lower threshold accepts batch 1
+    r = client.post("/v1/fit", json={"traffic": "\n".join(bursts_jsonl(2)), "model": "acme/tiny", "threshold": 0.85})
+    assert r.status_code == 200 and r.json()["drifted"] == [] and r.json()["best_profile"] == "latency"
+
+
+def test_fit_endpoint_custom_engine_limits_and_service_model(app_env):
+    client, sessions = app_env
+    limits = {"name": "custom", "max_batch_size": 2, "max_input_len": 100, "max_seq_len": 200, "max_num_tokens": 200}
+    d = add_engine(sessions, profile="custom", limits=limits)
+    # prefill 100 tok/s + decode 10 tok/s: each of the first three holds a slot 2 s ([0,2), [1,3), [1,3)); the
+    # fourth [2, 2.5). In flight: 1 on [0,1), 3 on [1,2.5), 2 on [2.5,3): ≤ 2 for 1.5 s of 3
+    traffic = [{"prompt_tokens": 100, "output_tokens": 10, "arrival_s": t} for t in (0.0, 1.0, 1.0)]
+    traffic.append({"prompt_tokens": 150, "output_tokens": 10, "arrival_s": 2.0, "duration_s": 0.5})  # prompt too long
+    body = client.post("/v1/fit", json={"traffic": traffic, "model": "acme/tiny", "prefill_tps": 100,
+                                        "decode_tps": 10}).json()
+    (e,) = body["engines"]
+    assert e["digest"] == d and e["limits"] == {k: v for k, v in limits.items() if k != "name"}
+    assert e["length_coverage"] == 3 / 4 and e["batch_coverage"] == 1.5 / 3 and e["drifted"] is True
+    assert body["traffic"]["window_s"] == 3.0 and body["traffic"]["concurrency"]["peak"] == 3
+
+
+@pytest.mark.parametrize("payload, field", [
+    ({}, "traffic"), ([1], "traffic"), ({"traffic": 5}, "traffic"), ({"traffic": []}, "traffic"),
+    ({"traffic": [{"prompt_tokens": 1}]}, "traffic.output_tokens"),
+    ({"traffic": [{"prompt_tokens": 1, "output_tokens": 1, "arrival_s": 0}], "threshold": 2}, "threshold"),
+    ({"traffic": [{"prompt_tokens": 1, "output_tokens": 1, "arrival_s": 0}], "decode_tps": 0}, "decode_tps"),
+    ({"traffic": [{"prompt_tokens": 1, "output_tokens": 1, "arrival_s": 0}], "model": 3}, "model"),
+    ({"traffic": [{"prompt_tokens": 1, "output_tokens": 1, "arrival_s": 0}], "profile": "x"}, "profile"),
+])
+def test_fit_endpoint_bad_input_names_the_field(app_env, payload, field):
+    client, _ = app_env
+    r = client.post("/v1/fit", json=payload)
+    assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+
+
+# -- kiln fit -------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def local_index():
+    settings = get_settings()  # KILN_HOME from the autouse fixture
+    db.upgrade(settings.db_url)
+    return db.session_factory(settings.db_url)
+
+
+def test_cli_fit_json_and_drift_exit(local_index, tmp_path):
+    latency = add_engine(local_index, profile="latency")
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("\n".join(bursts_jsonl(3)) + "\n")
+    runner = CliRunner()
+    r = runner.invoke(main, ["fit", "--traffic", str(traffic), "--model", "acme/tiny", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output.strip().splitlines()[-1])
+    assert report["drifted"] == [latency] and report["best_profile"] == "throughput"
+    assert report["engines"][0]["batch_coverage"] == 27 / 31
+    r = runner.invoke(main, ["fit", "--traffic", str(traffic), "--model", "acme/tiny", "--fail-on-drift"])
+    assert r.exit_code == 1
+    assert "DRIFT" in r.output and "<- best" in r.output and "kiln: error:" in r.output
+    r = runner.invoke(main, ["fit", "--traffic", str(traffic), "--model", "acme/tiny", "--threshold", "85%",
+                             "--fail-on-drift"])
+    assert r.exit_code == 0 and "fits" in r.output
+
+
+def test_cli_fit_without_model_and_bad_files(local_index, tmp_path):
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text('{"prompt_tokens": 10, "output_tokens": 10, "arrival_s": 0}\n')
+    r = CliRunner().invoke(main, ["fit", "--traffic", str(traffic)])
+    assert r.exit_code == 0 and "latency" in r.output and "suggested envelope" in r.output
+    traffic.write_text('{"prompt_tokens": 10, "output_tokens": 10, "arrival_s": 0}\n{"prompt_tokens": 10}\n')
+    r = CliRunner().invoke(main, ["fit", "--traffic", str(traffic)])
+    assert r.exit_code == 2 and "line 2 has no output_tokens" in r.output
+    r = CliRunner().invoke(main, ["fit", "--traffic", str(tmp_path / "missing.jsonl")])
+    assert r.exit_code == 2 and "traffic" in r.output
+    r = CliRunner().invoke(main, ["fit", "--traffic", str(traffic), "--threshold", "2"])
+    assert r.exit_code == 2 and "threshold" in r.output
+
+
+def test_cli_fit_model_without_fresh_engines(local_index, tmp_path):
+    add_engine(local_index, status="stale")
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text('{"prompt_tokens": 10, "output_tokens": 10, "arrival_s": 0}\n')
+    r = CliRunner().invoke(main, ["fit", "--traffic", str(traffic), "--model", "acme/tiny"])
+    assert r.exit_code == 0 and "no fresh engines of acme/tiny" in r.output
