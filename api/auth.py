@@ -14,7 +14,7 @@ import secrets
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
@@ -69,42 +69,60 @@ def _deny(status: int, path: str, message: str, fix: str) -> JSONResponse:
                                    "message": message, "fix": fix}}, status_code=status, headers=headers)
 
 
-def install(app) -> None:
-    settings = app.state.settings
+class AuthMiddleware:
+    """Pure ASGI (no per-request task or body wrapping, unlike ``@app.middleware``): request size limit, then
+    token and scope checks when auth is required."""
 
-    @app.middleware("http")
-    async def limits_and_auth(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse({"error": {"code": "too_large", "field": "body", "message": f"body over {settings.max_body_bytes} bytes",
-                                           "fix": "send a smaller request"}}, status_code=413)
+    def __init__(self, app, kiln_app):
+        self.app, self.kiln_app = app, kiln_app
+        self.settings = kiln_app.state.settings
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                   if k in (b"content-length", b"authorization")}
+        path, settings = scope["path"], self.settings
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > settings.max_body_bytes:
+            return await JSONResponse({"error": {"code": "too_large", "field": "body",
+                                                 "message": f"body over {settings.max_body_bytes} bytes",
+                                                 "fix": "send a smaller request"}}, status_code=413)(scope, receive, send)
         if not settings.auth_required:
-            return await call_next(request)
-        need = required_scope(request.method, request.url.path)
+            return await self.app(scope, receive, send)
+        need = required_scope(scope["method"], path)
         if need is None or (need == "artifacts:read" and settings.anonymous_read):
-            return await call_next(request)
-        token = bearer_or_basic(request.headers.get("authorization"))
-        if token is None:
-            return _deny(401, request.url.path, "a token is required", "send Authorization: Bearer <token>")
+            return await self.app(scope, receive, send)
+        denied = await self._check(headers.get("authorization"), need, path)
+        if denied is not None:
+            return await denied(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    async def _check(self, authorization: str | None, need: str, path: str) -> JSONResponse | None:
+        from sqlalchemy.exc import DBAPIError
         from starlette.concurrency import run_in_threadpool
 
-        from sqlalchemy.exc import DBAPIError
-
+        token = bearer_or_basic(authorization)
+        if token is None:
+            return _deny(401, path, "a token is required", "send Authorization: Bearer <token>")
         try:
-            row = await run_in_threadpool(_lookup, app, token)
+            row = await run_in_threadpool(_lookup, self.kiln_app, token)
         except DBAPIError as exc:
             return JSONResponse({"error": {"code": "database_unavailable", "field": "database",
                                            "message": f"the database is unreachable ({type(exc.orig).__name__})",
                                            "fix": "retry shortly; Kiln reconnects by itself"}}, status_code=503)
         if row is None:
-            return _deny(401, request.url.path, "unknown or revoked token", "ask an admin for a token")
+            return _deny(401, path, "unknown or revoked token", "ask an admin for a token")
         granted = set().union(*(IMPLIES.get(s, set()) for s in row.scopes))
         if need not in granted:
-            return _deny(403, request.url.path, f"this token lacks the {need} scope",
+            return _deny(403, path, f"this token lacks the {need} scope",
                          f"use a token with {need} (it has {', '.join(row.scopes)})")
-        request.state.token_name = row.name
-        return await call_next(request)
+        return None
 
+
+def install(app) -> None:
+    settings = app.state.settings
+    app.add_middleware(AuthMiddleware, kiln_app=app)
     if settings.bootstrap_token:
         with app.state.sessions() as s:
             digest = token_hash(settings.bootstrap_token)

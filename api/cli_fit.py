@@ -28,7 +28,8 @@ def print_report(report: dict, model: str | None) -> None:
                f"/ p95 {t['prompt_tokens']['p95']} / max {t['prompt_tokens']['max']}; prompt+output p95 "
                f"{t['total_tokens']['p95']} / max {t['total_tokens']['max']}; concurrency mean {c['mean']:.2f}, "
                f"p95 {c['p95']}, peak {c['peak']}")
-    click.echo(f"  (a request holds a batch slot for prompt/{s['prefill_tps']:g} + output/{s['decode_tps']:g} s; "
+    click.echo(f"  (a request holds a batch slot for its duration_s, else prompt/{s['prefill_tps']:g} + "
+               f"output/{s['decode_tps']:g} s; "
                f"threshold {report['threshold'] * 100:g}%)")
     click.echo(f"{'profile':<12} {'batch/input/seq/tokens':<22} {'lengths':>8} {'batch':>8} {'coverage':>9}")
     for p in report["profiles"]:

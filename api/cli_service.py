@@ -28,14 +28,14 @@ def _upgrade_embedded_db() -> None:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
-def api(host: str, port: int) -> None:
+@click.option("--workers", default=1, show_default=True, type=int, help="uvicorn worker processes")
+def api(host: str, port: int, workers: int) -> None:
     """Run the HTTP API (uvicorn)."""
     import uvicorn
 
-    from api.app import create_app
-
     _upgrade_embedded_db()
-    uvicorn.run(create_app(), host=host, port=port, log_level="info")
+    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info",
+                access_log=workers == 1)
 
 
 def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None:

@@ -31,7 +31,7 @@ from kiln.spec import BuildSpec
 from kiln.toolchain import toolchain_for
 from validation.gates import effective_gates
 from validation.runners import open_engine, open_reference
-from validation.validate import validate
+from validation.validate import previous_engine, validate
 
 STAGES = ("resolve", "quantize", "compile", "validate", "publish")
 Event = Callable[[str, dict], None]
@@ -188,7 +188,9 @@ class Builder:
         self._check_cancel()
         report, _ = self._stage("validate", lambda: (validate(
             open_engine(spec.backend, cdir), open_reference(p.resolved.local_dir), p.resolved.local_dir,
-            p.eval_text, spec, p.gates, int(p.model_config["vocab_size"])), {}), stages)
+            p.eval_text, spec, p.gates, int(p.model_config["vocab_size"]),
+            previous=previous_engine(self.sessions, spec, p.build_key, p.data), engine_source=(spec.backend, cdir)), {}),
+            stages)
         self._check_cancel()
         provenance = {
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "kiln": kiln.__version__,

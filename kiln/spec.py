@@ -24,7 +24,10 @@ GPU_NAMES = {
 }
 # GPUs users ask for that no Kiln precision supports (FP8 needs sm89+), so the error can say why.
 OLD_GPUS = {"a100": 80, "a10": 86, "a10g": 86, "a30": 80, "a40": 86, "rtx3090": 86, "t4": 75, "v100": 70}
-GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "min_throughput_tps")
+GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "min_throughput_tps",
+              "max_peak_memory_bytes", "max_throughput_drop_pct", "max_accuracy_regression_pct")
+# Changing the regression gate (the comparison with the previous engine of the same target) needs a recorded reason.
+REGRESSION_GATE_NAMES = ("max_throughput_drop_pct", "max_accuracy_regression_pct")
 MODEL_NAME_RE = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
 
 LIMITS = {  # (min, max) for every integer field
@@ -82,6 +85,8 @@ class BuildSpec(BaseModel):
     calibration: Calibration = Field(default_factory=Calibration)
     evaluation: Evaluation = Field(default_factory=Evaluation)
     gates: dict[str, float] = Field(default_factory=dict)
+    # Why this build changes the regression gate; recorded in provenance and the report, not part of any key.
+    override_reason: str | None = None
 
     @property
     def batch_profile(self) -> BatchProfile:
@@ -214,6 +219,13 @@ def _rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
             errs.append(_bad(f"gates.{gname}", "unknown gate", f"use one of: {', '.join(GATE_NAMES)}"))
         elif not isinstance(value, (int, float)) or value != value:
             errs.append(_bad(f"gates.{gname}", f"{value!r} is not a number", "give a number, e.g. 5.0"))
+        elif gname == "max_peak_memory_bytes" and not 0 < value < float("inf"):
+            errs.append(_bad(f"gates.{gname}", f"{value!r} is not a positive number of bytes", "give bytes, e.g. 24e9"))
+        elif gname in REGRESSION_GATE_NAMES and not (d.get("override_reason") or "").strip():
+            errs.append(_bad("override_reason", f"changing gates.{gname} (the regression gate) needs a recorded reason",
+                             "set override_reason to why this build may differ from the previous engine"))
+    if len(d.get("override_reason") or "") > 2000:
+        errs.append(_bad("override_reason", "is longer than 2000 characters", "say why in fewer words"))
     return errs
 
 

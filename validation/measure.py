@@ -155,7 +155,7 @@ def greedy_decode(engine, prompt: torch.Tensor, new_tokens: int) -> tuple[list[f
 
 
 def decode_latency(engine, profile: BatchProfile, vocab: int, *, new_tokens: int = DECODE_NEW_TOKENS,
-                   warmup: int = 1, reps: int = 3, seed: int = 0) -> dict:
+                   warmup: int = 1, reps: int = 2, seed: int = 0) -> dict:
     """TTFT and TPOT at batch 1 and at the maximum batch (medians over ``reps`` generations, after ``warmup``
     prefills). ``ttft_ms`` / ``tpot_ms`` are the batch-1 figures (what one user waits); ``points`` has each
     batch size's."""

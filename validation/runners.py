@@ -217,11 +217,11 @@ class TRTLLMRunner:
     @staticmethod
     def bench_shape(profile, output_tokens: int = BENCH_OUTPUT_TOKENS) -> tuple[int, int]:
         """(input tokens, output tokens) per request: the profile's ``max_input_len`` prompt (never more than
-        ``max_num_tokens``, which a context chunk must fit) and up to ``output_tokens`` generated, so that
-        prompt + output ≤ ``max_seq_len`` (trtllm-bench refuses a dataset longer than the engine)."""
-        out = max(1, min(output_tokens, profile.max_seq_len - 1))
-        inp = max(1, min(profile.max_input_len, profile.max_num_tokens, profile.max_seq_len - out))
-        return inp, out
+        ``max_num_tokens``, which a context chunk must fit, and leaving one token of ``max_seq_len``) and up to
+        ``output_tokens`` generated, so that prompt + output ≤ ``max_seq_len`` (trtllm-bench refuses a dataset
+        longer than the engine). The prompt has priority: a profile without room to generate measures prefill."""
+        inp = max(1, min(profile.max_input_len, profile.max_num_tokens, profile.max_seq_len - 1))
+        return inp, max(1, min(output_tokens, profile.max_seq_len - inp))
 
     @staticmethod
     def bench_dataset(*, num_requests: int, input_len: int, output_len: int, vocab: int, seed: int = 0) -> list[dict]:

@@ -243,3 +243,17 @@ def test_cli_fit_model_without_fresh_engines(local_index, tmp_path):
     traffic.write_text('{"prompt_tokens": 10, "output_tokens": 10, "arrival_s": 0}\n')
     r = CliRunner().invoke(main, ["fit", "--traffic", str(traffic), "--model", "acme/tiny"])
     assert r.exit_code == 0 and "no fresh engines of acme/tiny" in r.output
+
+
+def test_page_is_open_and_data_needs_a_token_when_auth_is_required(tmp_path):
+    settings = Settings(home=tmp_path / "home", bootstrap_token="kiln_test_token")
+    db.upgrade(settings.db_url)
+    app = create_app(settings, enqueue=lambda *a, **k: None)
+    client = TestClient(app)
+    d = add_engine(app.state.sessions)
+    assert client.get("/").status_code == 200 and client.get("/static/dashboard.js").status_code == 200
+    assert client.get("/metrics").status_code == 200
+    assert client.get("/v1/tags").status_code == 401  # the page then asks for a token
+    auth = {"Authorization": "Bearer kiln_test_token"}
+    assert client.get("/v1/tags", headers=auth).status_code == 200
+    assert client.get(f"/v1/artifacts/{d}/throughput.svg", headers=auth).status_code == 200

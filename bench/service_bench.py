@@ -1,0 +1,144 @@
+"""Service benchmarks on the real stack (PostgreSQL on 127.0.0.1, ``kiln api`` processes, wrk as the load
+generator), each printed as a ratio against a bare handler on the same server:
+
+- resolve requests/s and p99 latency with 100,000 artifacts in PostgreSQL, against GET /healthz;
+- the identical-rebuild answer (POST /v1/builds of an already-built spec → 200 with the artifact), against
+  GET /healthz.
+
+    python bench/service_bench.py [--artifacts 100000] [--seconds 10] [--api-workers 2]
+
+Needs wrk (Debian package) and a PostgreSQL that accepts postgres@127.0.0.1 (the dev/CI machines have both)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+PG = os.environ.get("KILN_BENCH_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432")
+
+
+def wrk(url: str, seconds: int, *, script: str | None = None, connections: int = 16) -> tuple[float, float]:
+    cmd = ["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--latency", url]
+    if script:
+        cmd[1:1] = ["-s", script]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    m = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
+    p99 = float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if non2xx:
+        raise SystemExit(f"wrk saw {non2xx.group(1)} error responses for {url}:\n{out}")
+    return rps, p99
+
+
+def seed(url: str, n: int) -> None:
+    """n artifact rows over n/100 models (100 engine variants each), one tracked head per model."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    rows, models = [], []
+    precisions, targets, profiles = ["fp8", "nvfp4"], ["cpu", "sm89", "sm90", "sm100", "sm120"], ["latency", "balanced", "throughput"]
+    for i in range(n):
+        model = f"bench/model-{i // 100}"
+        p, t, pr = precisions[i % 2], targets[(i // 2) % 5], profiles[(i // 10) % 3]
+        rev = "head" if (i // 30) % 3 == 0 else f"old-{i % 7}"
+        rows.append({"digest": f"sha256:{i:064x}", "build_key": f"sha256:{i + 10**9:064x}", "repository": model,
+                     "tag": f"{p}-{t}-{pr}", "status": "fresh" if rev == "head" else "stale", "precision": p,
+                     "target": t, "profile": pr, "backend": "aot-inductor", "checkpoint_ref": "hf://bench/m",
+                     "checkpoint_digest": f"sha256:{i:064x}", "checkpoint_revision": rev, "size": 1,
+                     "provenance": json.dumps({"toolchain": {"torch": "2.13.0"}}), "validation": "{}"})
+        if i % 100 == 0:
+            models.append({"name": model, "checkpoint": "hf://bench/m@main", "hf_repo": "bench/m", "branch": "main",
+                           "head_sha": "head", "matrix": "[]", "gates": "{}"})
+    with engine.begin() as c:
+        c.execute(sa.text(
+            "INSERT INTO artifacts (digest, build_key, repository, tag, status, precision, target, profile, backend, "
+            "checkpoint_ref, checkpoint_digest, checkpoint_revision, size, provenance, validation, created_at) VALUES "
+            "(:digest, :build_key, :repository, :tag, :status, :precision, :target, :profile, :backend, :checkpoint_ref,"
+            " :checkpoint_digest, :checkpoint_revision, :size, CAST(:provenance AS JSON), CAST(:validation AS JSON), now())"), rows)
+        c.execute(sa.text("INSERT INTO models (name, checkpoint, hf_repo, branch, head_sha, matrix, gates, created_at, "
+                          "updated_at) VALUES (:name, :checkpoint, :hf_repo, :branch, :head_sha, CAST(:matrix AS JSON), "
+                          "CAST(:gates AS JSON), now(), now())"), models)
+    engine.dispose()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--artifacts", type=int, default=100_000)
+    ap.add_argument("--seconds", type=int, default=10)
+    ap.add_argument("--api-workers", type=int, default=2)
+    args = ap.parse_args()
+    if not shutil.which("wrk"):
+        raise SystemExit("wrk is not installed (apt-get install wrk)")
+    import sqlalchemy as sa
+
+    name = f"kiln_bench_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(f"{PG}/postgres", isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    home = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
+    env = {**os.environ, "KILN_HOME": str(home), "KILN_DATABASE_URL": f"{PG}/{name}", "KILN_CHECKPOINT_ROOTS": str(ROOT)}
+    api = None
+    try:
+        subprocess.run([sys.executable, "-m", "api.cli", "db", "upgrade"], env=env, check=True, cwd=ROOT)
+        t = time.perf_counter()
+        seed(f"{PG}/{name}", args.artifacts)
+        print(f"seeded {args.artifacts:,} artifacts in {time.perf_counter() - t:.1f}s")
+        # one real engine, so that an identical rebuild has something to answer with
+        quick = ["build", "examples/tiny-llama", "--backend", "checkpoint", "--calib-samples", "8", "--calib-seq-len",
+                 "64", "--eval-max-tokens", "1024", "--json"]
+        subprocess.run([sys.executable, "-m", "api.cli", *quick], env=env, check=True, cwd=ROOT, capture_output=True)
+        port = 18000 + os.getpid() % 1000
+        api = subprocess.Popen([sys.executable, "-m", "api.cli", "api", "--port", str(port), "--workers",
+                                str(args.api_workers)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        import httpx
+
+        for _ in range(120):
+            try:
+                if httpx.get(base + "/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        resolve = base + "/v1/resolve?model=bench/model-417&precision=fp8&profile=latency&target=cpu&backend=aot-inductor"
+        assert httpx.get(resolve).status_code == 200, httpx.get(resolve).text
+        spec = {"checkpoint": str(ROOT / "examples" / "tiny-llama"), "precision": "fp8", "backend": "checkpoint",
+                "calibration": {"samples": 8, "seq_len": 64}, "evaluation": {"max_tokens": 1024}}
+        answer = httpx.post(base + "/v1/builds", json=spec)
+        assert answer.status_code == 200 and answer.json()["cache_hit"], answer.text
+        lua = home / "post.lua"
+        lua.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                       f"wrk.body = {json.dumps(json.dumps(spec))}\n")
+        wrk(base + "/healthz", 2)  # warm up
+        bare_rps, bare_p99 = wrk(base + "/healthz", args.seconds)
+        res_rps, res_p99 = wrk(resolve, args.seconds)
+        noop_rps, noop_p99 = wrk(base + "/v1/builds", args.seconds, script=str(lua))
+        print(f"api workers {args.api_workers}, wrk -t2 -c16, {args.seconds}s each, 2 cores shared by server and load")
+        print(f"bare GET /healthz:        {bare_rps:8.0f} req/s  p99 {bare_p99:6.1f} ms")
+        print(f"resolve (100k artifacts): {res_rps:8.0f} req/s  p99 {res_p99:6.1f} ms  -> {res_rps / bare_rps:.2f} x bare")
+        print(f"identical rebuild (POST): {noop_rps:8.0f} req/s  p99 {noop_p99:6.1f} ms  -> "
+              f"answer time {bare_rps / noop_rps:.2f} x a bare GET")
+    finally:
+        if api:
+            api.terminate()
+            api.wait(30)
+        with admin.connect() as c:
+            c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
