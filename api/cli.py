@@ -307,6 +307,7 @@ def _register_commands() -> None:
     import api.cli_admin  # noqa: F401  (gc, fsck)
     import api.cli_service  # noqa: F401  (adds api, worker, serve to the group)
     import api.cli_fit  # noqa: F401
+    import api.cli_report  # noqa: F401  (report)
 
 
 _register_commands()

@@ -15,6 +15,7 @@ from artifacts.interfaces import BlobStore
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_engine_image, push_referrer
 from kiln.models import Artifact, Referrer, Tag, TagEvent, TrackedModel, utcnow
 from kiln.spec import BuildSpec
+from validation.report import REPORT_TYPE, report_document, to_json
 
 PROVENANCE_TYPE = "application/vnd.kiln.provenance.v1+json"
 ANNOTATION_PREFIX = "dev.kiln"
@@ -75,6 +76,11 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
     ref_digest = push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
                                artifact_type=PROVENANCE_TYPE, payload=payload, payload_media_type=PROVENANCE_TYPE,
                                annotations=ref_annotations)
+    report = to_json(report_document(image.digest, repository=spec.model_name, tag=tag_for(spec),
+                                     provenance=provenance, validation=validation)).encode()
+    report_digest = push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
+                                  artifact_type=REPORT_TYPE, payload=report, payload_media_type=REPORT_TYPE,
+                                  annotations=ref_annotations)
     row = Artifact(
         digest=image.digest, build_key=build_key, request_key=request_key, repository=spec.model_name, tag=tag_for(spec),
         status="fresh" if passed else "rejected", precision=spec.precision, target=spec.target,
@@ -88,6 +94,9 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
         session.add(row)
         session.add(Referrer(digest=ref_digest, subject=image.digest, repository=spec.model_name,
                              artifact_type=PROVENANCE_TYPE, size=store.stat(ref_digest).size,
+                             annotations=ref_annotations))
+        session.add(Referrer(digest=report_digest, subject=image.digest, repository=spec.model_name,
+                             artifact_type=REPORT_TYPE, size=store.stat(report_digest).size,
                              annotations=ref_annotations))
         if row.status == "fresh":
             move_tag(session, spec.model_name, row.tag, image.digest, reason=f"published {build_key}")

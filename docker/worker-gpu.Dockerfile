@@ -70,8 +70,11 @@ RUN python3 -m pip list --format=freeze \
  && diff -u /opt/kiln/toolchain-before.txt /opt/kiln/toolchain-after.txt \
  && kiln --help >/dev/null
 
+# CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA numbers GPUs in NVML's order, so CUDA_VISIBLE_DEVICES indices mean the same
+# GPUs to Kiln's NVML detection (which honours the variable) and to CUDA (trtllm-build, the runtime; docs/gpu.md).
 ENV KILN_HOME=/var/lib/kiln \
-    HF_HOME=/var/lib/kiln/huggingface
+    HF_HOME=/var/lib/kiln/huggingface \
+    CUDA_DEVICE_ORDER=PCI_BUS_ID
 
 # Non-root (uid 10001 avoids the base image's uid 1000 user). The NVIDIA container runtime gives GPU access to
 # any user. KILN_HOME is owned by kiln so a named volume mounted there starts out writable.

@@ -222,8 +222,8 @@ def peak_memory(engine, profile: BatchProfile, vocab: int, *, source: tuple[str,
                 seed: int = 0, timeout_s: float = 1800) -> dict:
     """Peak memory of one forward at the envelope's corner; ``source`` = (backend, engine_dir) lets the CPU
     measurement load the engine afresh in a child process (the honest figure: weights + activations, nothing
-    left over from earlier work). Without it the CPU figure is measured in this process and covers the
-    activations of the corner forward only (the method says so)."""
+    left over from earlier work). Without it the CPU figure is this whole process's peak RSS during the corner
+    forward: an upper bound (the method says so)."""
     corner = _corner_conditions(profile)
     if str(engine.device).startswith("cuda"):
         return _cuda_peak(engine, profile, vocab, seed, corner)
@@ -234,10 +234,11 @@ def peak_memory(engine, profile: BatchProfile, vocab: int, *, source: tuple[str,
     with torch.no_grad():
         engine.logits(_corner_input(profile, vocab, seed))
     after = _proc_status()
-    return {"peak_memory_bytes": max(0, after["VmHWM"] - before["VmRSS"]),
-            "conditions": {"method": "in-process: peak RSS increase (VmHWM) during one forward at the corner; "
-                                     "weights not included", "device": "cpu", "corner": corner,
-                           "hwm_reset": hwm_reset, "process_peak_bytes": after["VmHWM"]}}
+    return {"peak_memory_bytes": after["VmHWM"],
+            "conditions": {"method": "in-process: this whole process's peak RSS (VmHWM) during one forward at the "
+                                     "corner: an upper bound (it includes the runtime and whatever else the process "
+                                     "holds)", "device": "cpu", "corner": corner, "hwm_reset": hwm_reset,
+                           "rss_before_bytes": before["VmRSS"], "process_peak_bytes": after["VmHWM"]}}
 
 
 def _cuda_peak(engine, profile, vocab, seed, corner) -> dict:

@@ -98,6 +98,7 @@ class TRTLLMRunner:
     END_ID = -1  # no end-of-sequence token: exactly the requested tokens are generated (trtllm-bench's default)
     BENCH_OUTPUT_TOKENS = 64
     BENCH_TIMEOUT_S = 1800
+    PREFIX_REQUESTS_PER_CALL = 1024
 
     def __init__(self, engine_dir: Path):
         import importlib.util
@@ -160,9 +161,15 @@ class TRTLLMRunner:
             outs = llm.generate([row.tolist() for row in x], SamplingParams(**common, return_context_logits=True),
                                 use_tqdm=False)
             return TRTLLMRunner.assemble_context_logits([o.context_logits for o in outs], b, s, self.vocab)
-        outs = llm.generate(TRTLLMRunner.prefix_prompts(x), SamplingParams(**common, return_generation_logits=True),
-                            use_tqdm=False)
-        return TRTLLMRunner.assemble_prefix_logits([o.outputs[0].generation_logits for o in outs], b, s, self.vocab)
+        params = SamplingParams(**common, return_generation_logits=True)
+        rows_per_call = max(1, self.PREFIX_REQUESTS_PER_CALL // s)  # bounds the logits held at once
+        parts = []
+        for i in range(0, b, rows_per_call):
+            chunk = x[i : i + rows_per_call]
+            outs = llm.generate(TRTLLMRunner.prefix_prompts(chunk), params, use_tqdm=False)
+            parts.append(TRTLLMRunner.assemble_prefix_logits([o.outputs[0].generation_logits for o in outs],
+                                                             len(chunk), s, self.vocab))
+        return torch.cat(parts)
 
     @staticmethod
     def prefix_prompts(input_ids: torch.Tensor) -> list[list[int]]:

@@ -24,6 +24,7 @@ from validation import fit as fitting
 STATIC = Path(__file__).resolve().parent.parent / "static"
 router = APIRouter(tags=["dashboard"])
 MAX_FIT_REQUESTS = 200_000
+REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"  # the report runs no script
 
 
 # -- pages ------------------------------------------------------------------------------------------------------
@@ -58,18 +59,22 @@ def _artifact(session: Session, digest: str) -> Artifact:
 
 
 def throughput_series(points: list[dict], by: str) -> tuple[list[tuple[int, float]], str]:
-    """``by=batch``: tokens/s against batch size at the longest measured sequence; ``by=seq``: against sequence
-    length at the smallest measured batch. Returns the series and what was held fixed."""
+    """``by=batch``: tokens/s against batch size at the sequence length measured with the most batch sizes (the
+    longest on a tie); ``by=seq``: against sequence length at the batch size measured with the most sequence
+    lengths (the smallest on a tie). Returns the series and what was held fixed."""
     pts = [p for p in points if isinstance(p, dict) and all(isinstance(p.get(k), (int, float))
                                                              for k in ("batch_size", "seq_len", "tokens_per_s"))]
     if not pts:
         return [], ""
+    def count(key: str, value) -> int:
+        return sum(1 for p in pts if p[key] == value)
+
     if by == "batch":
-        seq = max(p["seq_len"] for p in pts)
+        seq = max({p["seq_len"] for p in pts}, key=lambda v: (count("seq_len", v), v))
         chosen = {p["batch_size"]: p["tokens_per_s"] for p in pts if p["seq_len"] == seq}
         fixed = f"sequence length {seq}"
     else:
-        batch = min(p["batch_size"] for p in pts)
+        batch = max({p["batch_size"] for p in pts}, key=lambda v: (count("batch_size", v), -v))
         chosen = {p["seq_len"]: p["tokens_per_s"] for p in pts if p["batch_size"] == batch}
         fixed = f"batch size {batch}"
     return sorted((int(x), float(y)) for x, y in chosen.items()), fixed
@@ -97,7 +102,7 @@ def svg_chart(series: list[tuple[int, float]], *, title: str, x_label: str, y_la
               width: int = 520, height: int = 280) -> str:
     """A small line chart (categorical x, linear y from 0) as a standalone SVG document."""
     e = html.escape
-    left, right, top, bottom = 64, 16, 34, 48
+    left, right, top, bottom = 64, 16, 44, 48
     pw, ph = width - left - right, height - top - bottom
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
            f'font-family="system-ui, sans-serif" font-size="12" role="img" aria-label="{e(title)}">',
@@ -148,7 +153,7 @@ def throughput_chart(digest: str, session: SessionDep, by: str = Query("batch", 
 
 
 def _report_page(row: Artifact) -> str:
-    """The engine's validation report as one HTML page (server-side SVG; no scripts)."""
+    """A minimal validation page (server-side SVG; no scripts), for installs without validation/report.py."""
     e = html.escape
     v = row.validation or {}
     m = v.get("metrics") or {}
@@ -185,9 +190,16 @@ def _report_page(row: Artifact) -> str:
 
 @router.get("/v1/artifacts/{digest}/report.html", response_class=HTMLResponse)
 def report_html(digest: str, session: SessionDep):
-    """The engine's validation report as an HTML page with its charts (server-side SVG)."""
+    """The engine's validation report as one self-contained HTML page with its charts (server-side SVG): the
+    same page as ``kiln report DIGEST --format html`` (validation/report.py)."""
     row = _artifact(session, digest)
-    return HTMLResponse(_report_page(row), headers={"Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src data:"})
+    try:
+        from validation.report import document_for_row, render_html
+    except ImportError:  # a build without the report module: the minimal page
+        page = _report_page(row)
+    else:
+        page = render_html(document_for_row(row), status=row.status)
+    return HTMLResponse(page, headers={"Content-Security-Policy": REPORT_CSP, "Cache-Control": "no-cache"})
 
 
 # -- fit ----------------------------------------------------------------------------------------------------------

@@ -258,14 +258,21 @@ function metricsTable(m) {
   return h("table", { id: "metrics" }, h("tbody", null, rows.map(([k, v, f]) => h("tr", null, h("th", null, k), h("td", { class: "num" }, f(v))))));
 }
 
+function gateValue(name, v) {
+  if (typeof v !== "number") return String(v);
+  if (name.endsWith("_bytes")) return bytes(v);
+  if (Math.abs(v) >= 1000) return Math.round(v).toLocaleString();
+  return String(Number(v.toFixed(4)));
+}
+
 function gatesTable(gates) {
   if (!gates || !gates.length) return h("p", { class: "empty" }, "No gates recorded.");
   return h("table", { id: "gates" },
     h("thead", null, h("tr", null, ["gate", "value", "threshold", ""].map((t) => h("th", null, t)))),
     h("tbody", null, gates.map((g) => h("tr", null,
       h("td", { class: "mono" }, g.name),
-      h("td", { class: "num" }, typeof g.value === "number" ? g.value.toFixed(4) : String(g.value)),
-      h("td", { class: "num" }, (g.name.startsWith("max_") ? "≤ " : "≥ ") + g.threshold),
+      h("td", { class: "num" }, gateValue(g.name, g.value)),
+      h("td", { class: "num" }, (g.name.startsWith("max_") ? "≤ " : "≥ ") + gateValue(g.name, g.threshold)),
       h("td", null, badge(g.passed ? "pass" : "fail"))))));
 }
 
@@ -348,7 +355,10 @@ async function refresh() {
     if (err instanceof HttpError && err.status === 404) {
       view.replaceChildren(h("p", null, h("a", { href: "#/" }, "← back")), h("p", { class: "banner" }, err.message));
       poll = false;
-    } else if (!(err instanceof HttpError && (err.status === 401 || err.status === 403))) {
+    } else if (err instanceof HttpError && (err.status === 401 || err.status === 403)) {
+      view.replaceChildren(h("p", { class: "muted" }, "Waiting for an API token."));
+      poll = false;  // until a token is entered (the form calls refresh)
+    } else {
       showError(err);
     }
   }

@@ -248,7 +248,8 @@ class TRTLLMBackend(Backend):
             "plugins": dict(plugin_flags(spec)),
             "steps": [
                 f"check: TensorRT-LLM installed, ≥ {spec.tp_size} visible {spec.target} GPU(s) (NVML)",
-                f"run the command with CUDA_VISIBLE_DEVICES set to the {spec.target} GPUs "
+                f"run the command (into a staging folder renamed to the output when verified) with "
+                f"CUDA_VISIBLE_DEVICES set to the {spec.target} GPUs "
                 f"(max_batch_size {p.max_batch_size}, max_input_len {p.max_input_len}, max_seq_len {p.max_seq_len}, "
                 f"max_num_tokens {p.max_num_tokens}, tp {spec.tp_size})",
                 "verify config.json against the spec (quant_algo, kv_cache_quant_algo, limits, mapping.tp_size, "

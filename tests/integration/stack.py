@@ -140,6 +140,20 @@ class Stack:
         raise AssertionError(f"build {build_id} stuck in {b['status']}:\n" + "\n".join(self.log(n) for n in self.procs))
 
 
+@contextmanager
+def served(home: Path, env: dict[str, str] | None = None):
+    """``kiln serve`` (the embedded default: SQLite, SQLite broker, local store) with extra environment."""
+    s = Stack(home, env or {})
+    for var in ("KILN_DATABASE_URL", "KILN_BROKER_URL", "KILN_STORE_URL"):
+        s.env.pop(var, None)
+    s.start("serve", "serve", "--port", str(s.port))
+    try:
+        s.wait_http("/healthz")
+        yield s
+    finally:
+        s.close()
+
+
 def tiny_spec(**overrides) -> dict:
     """A quick build of the shipped model: checkpoint backend, a short evaluation text."""
     spec = {"checkpoint": str(REPO / "examples" / "tiny-llama"), "precision": "fp8", "profile": "latency",

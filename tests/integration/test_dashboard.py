@@ -103,6 +103,8 @@ def test_engine_page_shows_validation_and_charts(served, tmp_path):
     assert png_size(png) == (1280, 1400) and len(png) > 20_000
     svg = served.get(f"/v1/artifacts/{digest}/throughput.svg")
     assert svg.status_code == 200 and b"<circle" in svg.content
+    report = served.get(f"/v1/artifacts/{digest}/report.html")  # what the page links to
+    assert report.status_code == 200 and digest in report.text and "<svg" in report.text
 
 
 def test_metrics_over_the_real_index(served):

@@ -10,6 +10,7 @@ import pytest
 
 from tests import hubcache
 from tests.integration.stack import Stack
+from tests.integration.stack import served as embedded
 
 pytestmark = pytest.mark.slow
 SECRET = "s3cret-for-tests"
@@ -30,16 +31,9 @@ def hub(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, hub):
-    s = Stack(tmp_path_factory.mktemp("fresh") / "kiln", {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub),
-                                                          "KILN_WEBHOOK_SECRET": SECRET})
-    for var in ("KILN_DATABASE_URL", "KILN_BROKER_URL", "KILN_STORE_URL"):
-        s.env.pop(var, None)
-    s.start("serve", "serve", "--port", str(s.port))
-    try:
-        s.wait_http("/healthz")
+    with embedded(tmp_path_factory.mktemp("fresh") / "kiln", {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub),
+                                                          "KILN_WEBHOOK_SECRET": SECRET}) as s:
         yield s
-    finally:
-        s.close()
 
 
 def webhook(s: Stack, old: str | None, new: str, secret: str = SECRET):

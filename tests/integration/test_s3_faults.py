@@ -25,15 +25,10 @@ from tests.integration.faultproxy import FaultProxy
 
 @pytest.fixture(scope="module")
 def moto_port():
-    from moto.server import ThreadedMotoServer
+    from tests.s3server import moto_s3
 
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    yield server.get_host_and_port()[1]
-    server.stop()
+    with moto_s3() as endpoint:
+        yield int(endpoint.rsplit(":", 1)[1])
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.integration.stack import Stack, tiny_spec
+from tests.integration.stack import served as embedded
 
 pytestmark = pytest.mark.slow
 BOOT = "kiln-bootstrap-for-tests-0123456789"
@@ -18,15 +19,8 @@ BOOT = "kiln-bootstrap-for-tests-0123456789"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("sec") / "kiln", {"KILN_BOOTSTRAP_TOKEN": BOOT, "KILN_WEBHOOK_SECRET": "whsec"})
-    for var in ("KILN_DATABASE_URL", "KILN_BROKER_URL", "KILN_STORE_URL"):
-        s.env.pop(var, None)
-    s.start("serve", "serve", "--port", str(s.port))
-    try:
-        s.wait_http("/healthz")
+    with embedded(tmp_path_factory.mktemp("sec") / "kiln", {"KILN_BOOTSTRAP_TOKEN": BOOT, "KILN_WEBHOOK_SECRET": "whsec"}) as s:
         yield s
-    finally:
-        s.close()
 
 
 def call(s, method, path, token=None, **kw):

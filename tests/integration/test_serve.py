@@ -7,21 +7,15 @@ import pytest
 
 from tests.integration import api_checks
 from tests.integration.stack import Stack, tiny_spec
+from tests.integration.stack import served as embedded
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("serve") / "kiln", {})
-    for var in ("KILN_DATABASE_URL", "KILN_BROKER_URL", "KILN_STORE_URL"):
-        s.env.pop(var, None)
-    s.start("serve", "serve", "--port", str(s.port))
-    try:
-        s.wait_http("/healthz")
+    with embedded(tmp_path_factory.mktemp("serve") / "kiln", {}) as s:
         yield s
-    finally:
-        s.close()
 
 
 def test_embedded_health_and_defaults(served):

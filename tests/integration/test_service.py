@@ -20,16 +20,14 @@ pytestmark = pytest.mark.slow
 def s3(tmp_path_factory):
     """An S3 server over real HTTP (moto) holding the engine store."""
     import boto3
-    from moto.server import ThreadedMotoServer
+
+    from tests.s3server import moto_s3
 
     creds = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
-                 region_name="us-east-1").create_bucket(Bucket="kiln")
-    yield {"KILN_STORE_URL": "s3://kiln/engines", "KILN_S3_ENDPOINT_URL": endpoint, **creds}
-    server.stop()
+    with moto_s3() as endpoint:
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                     region_name="us-east-1").create_bucket(Bucket="kiln")
+        yield {"KILN_STORE_URL": "s3://kiln/engines", "KILN_S3_ENDPOINT_URL": endpoint, **creds}
 
 
 @pytest.fixture(scope="module")

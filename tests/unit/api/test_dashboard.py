@@ -110,6 +110,10 @@ def test_throughput_series():
     by_seq, fixed = throughput_series(POINTS, "seq")
     assert by_seq == [(64, 9000.0), (128, 15000.0), (256, 20000.0)] and fixed == "batch size 1"
     assert throughput_series([{"batch_size": "x"}], "batch") == ([], "")
+    # a single longer probe at batch 1 (max_seq_len) does not hide the batch sweep at max_input_len
+    with_probe = POINTS + [{"batch_size": 1, "seq_len": 512, "tokens_per_s": 18000.0}]
+    assert throughput_series(with_probe, "batch")[0] == by_batch
+    assert throughput_series(with_probe, "seq")[0] == by_seq + [(512, 18000.0)]
 
 
 def test_throughput_svg_is_well_formed(app_env):
@@ -140,10 +144,22 @@ def test_report_page(app_env):
     d = add_engine(sessions)
     r = client.get(f"/v1/artifacts/{d}/report.html")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    assert d in r.text and "PASSED" in r.text and "max_ppl_increase_pct" in r.text and r.text.count("<svg") == 2
+    assert d in r.text and "PASS" in r.text and "max_ppl_increase_pct" in r.text and r.text.count("<svg") >= 2
     assert "<script" not in r.text and "default-src 'none'" in r.headers["content-security-policy"]
     failed = add_engine(sessions, status="rejected", validation={"passed": False})
-    assert "FAILED" in client.get(f"/v1/artifacts/{failed}/report.html").text
+    assert "FAIL" in client.get(f"/v1/artifacts/{failed}/report.html").text
+    assert client.get(f"/v1/artifacts/sha256:{'0' * 64}/report.html").status_code == 404
+
+
+def test_report_page_without_the_report_module(app_env, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "validation.report", None)  # import fails: the minimal page
+    client, sessions = app_env
+    d = add_engine(sessions)
+    r = client.get(f"/v1/artifacts/{d}/report.html")
+    assert r.status_code == 200 and d in r.text and "PASSED" in r.text and r.text.count("<svg") == 2
+    assert "<script" not in r.text
 
 
 # -- POST /v1/fit ---------------------------------------------------------------------------------------------------

@@ -18,8 +18,6 @@ from kiln import db
 from kiln.models import Artifact, Build, Worker
 from kiln.settings import Settings
 
-NOW = datetime.now(timezone.utc)
-
 
 def stages(*triples) -> list[dict]:
     return [{"name": n, "status": s, "seconds": t} for n, s, t in triples]
@@ -91,8 +89,9 @@ def env(tmp_path) -> Env:
     e.build("cancelled")
     for status in ("fresh", "fresh", "stale", "rejected"):
         e.artifact(status)
-    e.worker("live-1", NOW, ["kiln.aot-inductor.cpu", "kiln.checkpoint.cpu"])
-    e.worker("gone-1", NOW - timedelta(minutes=10), ["kiln.aot-inductor.sm90"])
+    now = datetime.now(timezone.utc)  # at setup: a module-level time would be old after slow tests
+    e.worker("live-1", now, ["kiln.aot-inductor.cpu", "kiln.checkpoint.cpu"])
+    e.worker("gone-1", now - timedelta(minutes=10), ["kiln.aot-inductor.sm90"])
     return e
 
 

@@ -45,15 +45,16 @@ def test_batch_points_properties(max_batch):
     assert len(pts) >= min(3, max_batch)
 
 
-@pytest.mark.parametrize("inp, points", [(256, [64, 128, 256]), (1, [1]), (2, [1, 2]), (3, [1, 3]), (7, [1, 3, 7])])
-def test_seq_points(inp, points):
-    assert seq_points(prof(inp=inp, seq=max(inp, 2))) == points
+@pytest.mark.parametrize("inp, seq, points", [(256, 256, [64, 128, 256]), (256, 512, [64, 128, 256, 512]),
+                                               (1, 2, [1, 2]), (2, 2, [1, 2]), (3, 3, [1, 3]), (7, 9, [1, 3, 7, 9])])
+def test_seq_points(inp, seq, points):
+    assert seq_points(prof(inp=inp, seq=seq)) == points
 
 
-def test_seq_points_of_the_named_profiles_stay_inside_the_input_length():
+def test_seq_points_of_the_named_profiles_reach_the_longest_sequence():
     for p in PROFILES.values():
         pts = seq_points(p)
-        assert pts[-1] == p.max_input_len and all(1 <= s <= p.max_input_len for s in pts)
+        assert p.max_input_len in pts and pts[-1] == p.max_seq_len and all(1 <= s <= p.max_seq_len for s in pts)
 
 
 class CountingEngine:
@@ -76,7 +77,7 @@ def test_throughput_measures_every_point_of_the_envelope():
     p = prof(batch=4, inp=8, seq=16, tokens=64)
     out = throughput(engine, p, vocab=16, warmup=1, reps=3)
     points = [(r["batch_size"], r["seq_len"]) for r in out]
-    assert points == [(1, 8), (2, 8), (4, 8), (1, 2), (1, 4)]
+    assert points == [(1, 8), (2, 8), (4, 8), (1, 2), (1, 4), (1, 16)]
     assert engine.shapes == [pt for pt in points for _ in range(4)]  # 1 warmup + 3 timed each
     for r in out:
         assert r["tokens_per_s"] == pytest.approx(r["batch_size"] * r["seq_len"] / r["seconds_median"])
@@ -103,3 +104,84 @@ def test_conditions_describe_the_engine():
     c = conditions(CountingEngine())
     assert c["device"] == "cpu" and c["kv_cache"] is False
     assert c["threads"] == torch.get_num_threads() and c["torch"] == torch.__version__
+
+
+# -- generation latency and peak memory, on the shipped tiny Llama -----------------------------------
+from pathlib import Path  # noqa: E402
+
+from validation.measure import decode_latency, decode_shape, greedy_decode, peak_memory  # noqa: E402
+
+TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
+
+
+@pytest.mark.parametrize("inp, seq, shape", [(256, 512, (256, 16)), (512, 512, (496, 16)), (8, 10, (1, 9)),
+                                             (1, 2, (1, 1)), (100, 116, (100, 16))])
+def test_decode_shape_keeps_prompt_plus_new_tokens_inside_max_seq_len(inp, seq, shape):
+    assert decode_shape(prof(batch=1, inp=inp, seq=seq, tokens=seq)) == shape
+    prompt, new = shape
+    assert prompt + new <= seq and prompt <= inp
+
+
+def test_greedy_decode_generates_what_transformers_generate_does():
+    from validation.runners import TransformersRunner
+
+    runner = TransformersRunner(TINY)
+    prompt = torch.randint(0, 2048, (2, 12), generator=torch.Generator().manual_seed(3))
+    steps, generated = greedy_decode(runner, prompt, 6)
+    expected = runner._model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                      do_sample=False, min_new_tokens=6, pad_token_id=0)[:, 12:]
+    assert torch.equal(generated, expected) and len(steps) == 6 and all(s > 0 for s in steps)
+
+
+def test_decode_latency_of_the_tiny_model_at_batch_1_and_the_maximum_batch():
+    from validation.runners import DequantizedCheckpointRunner
+
+    engine = DequantizedCheckpointRunner(TINY, reference=True)
+    out = decode_latency(engine, prof(batch=3, inp=32, seq=40, tokens=96), vocab=2048, new_tokens=8, reps=2)
+    assert [p["batch_size"] for p in out["points"]] == [1, 3]
+    for p in out["points"]:
+        assert p["prompt_len"] == 32 and p["new_tokens"] == 8 and p["reps"] == 2
+        assert p["ttft_ms"] > 0 and p["tpot_ms"] > 0 and p["tpot_spread_ms"] >= 0
+        assert p["decode_tokens_per_s"] == pytest.approx(p["batch_size"] / (p["tpot_ms"] / 1e3))
+    assert out["ttft_ms"] == out["points"][0]["ttft_ms"] and out["tpot_ms"] == out["points"][0]["tpot_ms"]
+    c = out["conditions"]
+    assert c["kv_cache"] is False and "without a KV cache" in c["note"] and c["new_tokens"] == 8
+
+
+def test_peak_memory_in_a_fresh_process_counts_weights_and_grows_with_the_corner(fp8_export):
+    from validation.runners import DequantizedCheckpointRunner
+
+    engine = DequantizedCheckpointRunner(fp8_export / "hf")
+    source = ("checkpoint", fp8_export / "hf")
+    small = peak_memory(engine, prof(batch=1, inp=64, seq=64, tokens=64), 2048, source=source)
+    big = peak_memory(engine, prof(batch=8, inp=256, seq=512, tokens=4096), 2048, source=source)
+    assert small["conditions"]["corner"] == {"batch_size": 1, "seq_len": 64}
+    assert small["conditions"]["engine_loaded_bytes"] > 4e6  # 1.4 M parameters dequantized to fp32
+    assert small["peak_memory_bytes"] > 4e6
+    # the corner's logits alone are 8 × 512 × 2048 float32 = 32 MiB more than at 1 × 64
+    assert big["peak_memory_bytes"] - small["peak_memory_bytes"] > 8 * 512 * 2048 * 4 * 0.9
+    assert big["conditions"]["process_peak_bytes"] > big["peak_memory_bytes"]  # the runtime is reported, not gated
+
+
+def test_a_probe_the_kernel_kills_is_an_envelope_that_does_not_fit(monkeypatch, tmp_path):
+    import signal
+    import subprocess
+
+    from kiln.errors import StageFailed
+
+    def killed(*a, **kw):
+        return subprocess.CompletedProcess(a[0], -signal.SIGKILL, "", "")
+
+    monkeypatch.setattr(subprocess, "run", killed)
+    out = peak_memory(CountingEngine(), prof(), 16, source=("checkpoint", tmp_path))
+    assert out["peak_memory_bytes"] == float("inf") and "SIGKILL" in out["conditions"]["method"]
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(a[0], 1, "", "Boom: no\n"))
+    with pytest.raises(StageFailed, match="Boom: no"):
+        peak_memory(CountingEngine(), prof(), 16, source=("checkpoint", tmp_path))
+
+
+def test_peak_memory_in_process_without_a_source():
+    out = peak_memory(CountingEngine(), prof(batch=2, inp=4, seq=8, tokens=16), 16)
+    assert out["peak_memory_bytes"] > 50e6 and "in-process" in out["conditions"]["method"]  # torch alone is more
+    assert out["conditions"]["corner"] == {"batch_size": 2, "seq_len": 8}

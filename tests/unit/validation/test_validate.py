@@ -64,6 +64,22 @@ def damaged_nvfp4(nvfp4_export, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def damaged_fp8(fp8_export, tmp_path_factory) -> Path:
+    """A copy of the FP8 export with one corrupted scale: the first layer's down_proj weight_scale × 16 (four
+    exponent steps, as a bit flip in a float32 exponent would give)."""
+    out = tmp_path_factory.mktemp("damaged-fp8") / "hf"
+    shutil.copytree(fp8_export / "hf", out)
+    for path in out.glob("*.safetensors"):
+        state = load_file(str(path))
+        scales = [k for k in state if k.endswith("weight_scale")]
+        assert len(scales) == 28
+        key = "model.layers.0.mlp.down_proj.weight_scale"
+        state[key] = state[key] * 16
+        save_file(state, str(path), metadata={"format": "pt"})
+    return out
+
+
 # -- eval tokens -----------------------------------------------------------------------------------
 def test_eval_tokens_are_capped_and_windowed(tokens):
     ids, seq = tokens
@@ -129,9 +145,9 @@ def test_undamaged_nvfp4_export_passes_the_default_gates(nvfp4_export, reference
     m = report["metrics"]
     assert report["passed"], report["gates"]
     assert 0 < m["ppl_increase_pct"] < 15 and m["top1_agreement"] > 0.7 and m["mean_kl"] < 0.25
-    assert [g["name"] for g in report["gates"]] == list(effective_gates("nvfp4", {}))
+    assert [g["name"] for g in report["gates"]] == [*effective_gates("nvfp4", {}), "max_peak_memory_bytes"]
     assert report["conditions"]["eval_batch"] == 1 and report["conditions"]["device"] == "cpu"
-    assert {(p["batch_size"], p["seq_len"]) for p in m["throughput"]} == {(1, 256), (1, 64), (1, 128)}
+    assert {(p["batch_size"], p["seq_len"]) for p in m["throughput"]} == {(1, 256), (1, 64), (1, 128), (1, 512)}
 
 
 def test_nibble_swapped_nvfp4_export_fails_loudly(damaged_nvfp4, reference, heldout):
@@ -143,7 +159,7 @@ def test_nibble_swapped_nvfp4_export_fails_loudly(damaged_nvfp4, reference, held
     assert report["passed"] is False
     assert m["ppl_increase_pct"] > 100.0  # measured: ~×2000
     assert verdicts == {"max_ppl_increase_pct": False, "min_top1_agreement": False, "max_mean_kl": False,
-                        "min_throughput_tps": True}  # it is fast, just wrong
+                        "min_throughput_tps": True, "max_peak_memory_bytes": True}  # it is fast, just wrong
 
 
 def test_fp8_export_passes_the_tighter_fp8_gates(fp8_export, reference, heldout):
@@ -152,6 +168,27 @@ def test_fp8_export_passes_the_tighter_fp8_gates(fp8_export, reference, heldout)
                       effective_gates("fp8", {}), 2048)
     assert report["passed"], report["gates"]
     assert report["metrics"]["ppl_increase_pct"] < 3.0
+
+
+def test_fp8_export_with_one_corrupted_scale_fails_loudly(damaged_fp8, reference, heldout):
+    spec = nvfp4_spec(precision="fp8")
+    report = validate(DequantizedCheckpointRunner(damaged_fp8), reference, TINY, heldout, spec,
+                      effective_gates("fp8", {}), 2048)
+    m = report["metrics"]
+    verdicts = {g["name"]: g["passed"] for g in report["gates"]}
+    assert report["passed"] is False
+    assert m["ppl_increase_pct"] > 100.0  # measured: +430 %
+    assert verdicts == {"max_ppl_increase_pct": False, "min_top1_agreement": False, "max_mean_kl": False,
+                        "min_throughput_tps": True, "max_peak_memory_bytes": True}
+
+
+def test_an_impossible_threshold_fails_only_its_gate(fp8_export, reference, heldout):
+    spec = nvfp4_spec(precision="fp8", gates={"max_peak_memory_bytes": 1})
+    report = validate(DequantizedCheckpointRunner(fp8_export / "hf"), reference, TINY, heldout, spec,
+                      effective_gates("fp8", spec.gates), 2048)
+    failed = [g["name"] for g in report["gates"] if not g["passed"]]
+    assert report["passed"] is False and failed == ["max_peak_memory_bytes"]
+    assert report["conditions"]["gate_sources"]["max_peak_memory_bytes"] == "set by the build"
 
 
 def test_transformers_runner_is_the_reference():

@@ -243,3 +243,33 @@ def test_eight_gpus_serve_every_tensor_parallel_size(nvml):
     assert [q for q in caps["queues"] if "trtllm" in q] == [
         "kiln.trtllm-engine.sm90", "kiln.trtllm-engine.sm90.tp2", "kiln.trtllm-engine.sm90.tp4",
         "kiln.trtllm-engine.sm90.tp8"]
+
+
+# -- scripts/gpu_check.py on this machine (no CUDA) -------------------------------------------------------
+def test_gpu_check_without_cuda_prints_one_json_object_and_exits_0(tmp_path):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the check would run the whole GPU pipeline")
+    repo = Path(__file__).resolve().parents[3]
+    out = tmp_path / "gpu-check.json"
+    proc = subprocess.run([sys.executable, str(repo / "scripts" / "gpu_check.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout[-2000:]  # library chatter went to stderr
+    summary = json.loads(lines[0])
+    assert summary == json.loads(out.read_text())
+    assert summary["cuda"] is False and summary["gpu"] is None and summary["ok"] is True and summary["failed"] == []
+    assert summary["skipped"]["trtllm"].startswith("no CUDA device")
+    assert {"quantize.fp8", "quantize.nvfp4", "aot-inductor.compile.fp8", "aot-inductor.validate.nvfp4"} <= set(
+        summary["skipped"])
+    imports = summary["imports"]
+    assert all(imports[m] == "ok" for m in ("kiln", "builder.quantize", "builder.backends.trtllm",
+                                            "validation.runners", "workers.capabilities", "modelopt.torch.quantization"))
+    assert summary["capabilities"]["queues"][:2] == ["kiln.aot-inductor.cpu", "kiln.checkpoint.cpu"]
+    assert summary["versions"]["torch"] == torch.__version__

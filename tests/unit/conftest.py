@@ -1,7 +1,7 @@
 """Real ModelOpt quantizations of the shipped tiny Llama, made once per test session and shared read-only.
 
-tests/unit/validation/conftest.py makes the same exports into the same session folder, so whichever package runs
-first pays for them (about 5 s for FP8, which also imports ModelOpt, and 2 s for NVFP4)."""
+Shared by the builder and validation tests; the first test that asks pays for them (about 5 s for FP8, which also
+imports ModelOpt, and 2 s for NVFP4)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny-llama"
 CALIBRATION = {"samples": 8, "seq_len": 64}
 

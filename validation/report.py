@@ -1,0 +1,354 @@
+"""Validation reports: one document per engine, rendered as JSON (machines), HTML (people) or JUnit XML (CI).
+
+The document is a pure function of the engine's index row (digest, repository, tag, provenance, validation), so
+``kiln report <digest> --format json`` prints byte for byte the report that publish attached to the engine image
+as a referrer (artifactType :data:`REPORT_TYPE`).
+
+Non-finite numbers (the perplexity of a broken engine, the memory of a probe the kernel killed) are written as the
+strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"``, so the JSON stays strict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+from html import escape
+from typing import Any
+
+from validation import svg
+
+REPORT_TYPE = "application/vnd.kiln.validation-report.v1+json"
+SCHEMA = "kiln.validation-report.v1"
+FORMATS = ("json", "html", "junit")
+METRICS = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "throughput",
+           "ttft_ms", "tpot_ms", "latency", "peak_memory_bytes")
+SPEC_FIELDS = ("model_name", "checkpoint", "precision", "kv_cache", "target", "backend", "tp_size", "profile",
+               "calibration", "evaluation", "gates", "override_reason")
+
+
+# -- the document ----------------------------------------------------------------------------------
+def report_document(digest: str, *, repository: str, tag: str, provenance: dict, validation: dict) -> dict:
+    """The report of engine ``digest``: verdict, metrics under their plain names, every gate's verdict, the
+    regression comparison, the conditions of each measurement, the spec summary and the stage timeline."""
+    provenance, validation = provenance or {}, validation or {}
+    metrics = validation.get("metrics") or {}
+    gates = validation.get("gates") or []
+    spec = provenance.get("spec") or {}
+    passed = bool(validation.get("passed"))
+    memory = next((g for g in gates if g["name"] == "max_peak_memory_bytes"), None)
+    doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "digest": digest,
+        "engine": {"digest": digest, "repository": repository, "tag": tag, "build_key": provenance.get("build_key"),
+                   "created": provenance.get("created"), "kiln": provenance.get("kiln"),
+                   "recipe": provenance.get("recipe")},
+        "spec": {**{k: spec.get(k) for k in SPEC_FIELDS}, "checkpoint_content": provenance.get("checkpoint")},
+        "verdict": "pass" if passed else "fail",
+        "passed": passed,
+        "failed_gates": [g["name"] for g in gates if not g.get("passed")],
+        **{k: metrics.get(k) for k in METRICS},
+        "peak_tokens_per_s": max((p["tokens_per_s"] for p in metrics.get("throughput") or []), default=None),
+        "memory_budget_bytes": memory["threshold"] if memory else None,
+        "eval_tokens": metrics.get("tokens"),
+        "gates": gates,
+        "not_judged": dict(validation.get("not_judged")
+                           or ((validation.get("regression") or {}).get("not_judged") or {})),
+        "regression": validation.get("regression"),
+        "conditions": validation.get("conditions") or {},
+        "stages": [{"name": s.get("name"), "status": s.get("status"), "seconds": s.get("seconds", 0.0)}
+                   for s in provenance.get("stages") or []],
+        "toolchain": provenance.get("toolchain") or {},
+    }
+    return doc
+
+
+def document_for_row(row) -> dict:
+    """The report of an :class:`kiln.models.Artifact` index row."""
+    return report_document(row.digest, repository=row.repository, tag=row.tag, provenance=row.provenance,
+                           validation=row.validation)
+
+
+def _strict(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def to_json(doc: dict) -> str:
+    """Strict, canonical-looking JSON (sorted keys, two-space indent, trailing newline)."""
+    return json.dumps(_strict(doc), sort_keys=True, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
+
+
+def render(doc: dict, fmt: str, *, status: str | None = None) -> str:
+    if fmt == "json":
+        return to_json(doc)
+    if fmt == "html":
+        return render_html(doc, status=status)
+    if fmt == "junit":
+        return render_junit(doc)
+    raise ValueError(f"unknown report format {fmt!r}; use one of {', '.join(FORMATS)}")
+
+
+# -- formatting helpers ----------------------------------------------------------------------------
+def _fmt(v: Any, digits: int = 4) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "∞" if v > 0 else ("−∞" if v < 0 else "NaN")
+        if abs(v) >= 1e6:
+            return f"{v:,.0f}"
+        return f"{v:.{digits}g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _bytes(v: Any) -> str:
+    if not isinstance(v, (int, float)):
+        return "—"
+    if not math.isfinite(v):
+        return _fmt(float(v))
+    return f"{v / 2**30:.2f} GiB" if v >= 2**30 else f"{v / 2**20:.1f} MiB"
+
+
+def _gate_value(name: str, v: Any) -> str:
+    return _bytes(v) if name == "max_peak_memory_bytes" else _fmt(v)
+
+
+def _op(name: str) -> str:
+    return "≤" if name.startswith("max_") else "≥"
+
+
+def _not_judged(doc: dict) -> dict[str, str]:
+    return dict(doc.get("not_judged") or {})
+
+
+# -- HTML ------------------------------------------------------------------------------------------
+CSS = """
+body{font-family:system-ui,sans-serif;margin:0 auto;max-width:980px;padding:0 16px 40px;color:#1a202c}
+.verdict{margin:16px 0;padding:18px 24px;border-radius:8px;color:#fff}
+.verdict .big{font-size:56px;font-weight:800;letter-spacing:2px;line-height:1}
+.verdict.pass{background:#2f855a}.verdict.fail{background:#c53030}
+table{border-collapse:collapse;margin:8px 0 16px;font-size:14px}
+th,td{border-bottom:1px solid #e2e8f0;padding:4px 10px;text-align:left;vertical-align:top}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+.pass-cell{color:#2f855a;font-weight:700}.fail-cell{color:#c53030;font-weight:700}.skip-cell{color:#718096}
+.note{background:#fffaf0;border-left:4px solid #b7791f;padding:6px 10px;font-size:14px}
+code{font-size:13px}h2{margin-top:28px;border-bottom:2px solid #edf2f7}
+svg{display:block;margin:8px 0;max-width:100%;height:auto}
+"""
+
+
+def _table(headers: list[str], rows: list[list[str]], num_cols: tuple[int, ...] = ()) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cells = []
+        for i, cell in enumerate(row):
+            cls = ' class="num"' if i in num_cols else ""
+            cells.append(f"<td{cls}>{cell}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    if isinstance(d, dict):
+        for k in sorted(d):
+            out += _flatten(d[k], f"{prefix}{k}.")
+    else:
+        out.append((prefix.rstrip("."), d))
+    return out
+
+
+def render_html(doc: dict, *, status: str | None = None) -> str:
+    """A self-contained page: the verdict first, then gates, charts (inline SVG) and the conditions."""
+    e = doc.get("engine") or {}
+    passed = doc.get("verdict") == "pass"
+    gates = doc.get("gates") or []
+    judged_ok = sum(1 for g in gates if g.get("passed"))
+    name = f"{e.get('repository')}:{e.get('tag')}"
+    parts = [f'<header class="verdict {"pass" if passed else "fail"}" id="verdict">'
+             f'<div class="big">{"PASS" if passed else "FAIL"}</div>'
+             f'<div>{judged_ok} of {len(gates)} gates passed · {escape(name)}'
+             + (f" · index status: {escape(status)}" if status else "") + "</div></header>"]
+    parts.append(f"<h1>Validation report: {escape(name)}</h1>")
+    parts.append(f"<p>engine <code>{escape(str(doc.get('digest')))}</code><br>build key "
+                 f"<code>{escape(str(e.get('build_key')))}</code><br>built {escape(str(e.get('created')))} by kiln "
+                 f"{escape(str(e.get('kiln')))} ({escape(str(e.get('recipe')))})</p>")
+    failed = [g for g in gates if not g.get("passed")]
+    if failed:
+        items = "".join(f"<li><b>{escape(g['name'])}</b>: {escape(_gate_value(g['name'], g['value']))} is not "
+                        f"{_op(g['name'])} {escape(_gate_value(g['name'], g['threshold']))}</li>" for g in failed)
+        parts.append(f"<p>Failed gates:</p><ul>{items}</ul>")
+
+    # gates
+    rows = []
+    for g in gates:
+        ok = g.get("passed")
+        extra = f" (against <code>{escape(str(g['against'])[:19])}…</code>)" if g.get("against") else ""
+        rows.append([escape(g["name"]) + extra, escape(_gate_value(g["name"], g["value"])),
+                     f"{_op(g['name'])} {escape(_gate_value(g['name'], g['threshold']))}",
+                     f'<span class="{"pass-cell" if ok else "fail-cell"}">{"pass" if ok else "FAIL"}</span>'])
+    for gname, why in _not_judged(doc).items():
+        rows.append([escape(gname), "—", "", f'<span class="skip-cell">not judged: {escape(why)}</span>'])
+    parts.append("<h2>Gates</h2>" + _table(["gate", "value", "threshold", "verdict"], rows, (1,)))
+
+    # accuracy
+    reg = doc.get("regression") or {}
+    prev = reg.get("previous") or None
+    acc_rows = [("reference (unquantized)", doc.get("reference_perplexity"), "reference"),
+                ("this engine", doc.get("perplexity"), "engine")]
+    if prev:
+        acc_rows.append((f"previous {str(prev.get('digest'))[7:19]}", prev.get("perplexity"), "previous"))
+    note = (f"top-1 agreement {_fmt(_pct(doc.get('top1_agreement')))} %, mean KL {_fmt(doc.get('mean_kl'))}, "
+            f"perplexity {_fmt(doc.get('ppl_increase_pct'), 3)} % above the reference, on {_fmt(doc.get('eval_tokens'))} "
+            "held-out tokens")
+    parts.append("<h2>Accuracy</h2>" + svg.hbar_chart("chart-accuracy", "Perplexity on held-out text (lower is better)",
+                                                       acc_rows, note=note))
+    if prev:
+        parts.append(_table(["", "this engine", "previous engine"], [
+            ["perplexity", _fmt(doc.get("perplexity")), _fmt(prev.get("perplexity"))],
+            ["increase over the reference (%)", _fmt(doc.get("ppl_increase_pct")), _fmt(prev.get("ppl_increase_pct"))],
+            ["top-1 agreement", _fmt(doc.get("top1_agreement")), _fmt(prev.get("top1_agreement"))],
+            ["mean KL", _fmt(doc.get("mean_kl")), _fmt(prev.get("mean_kl"))],
+        ], (1, 2)))
+
+    # throughput
+    points = doc.get("throughput") or []
+    profile = (doc.get("spec") or {}).get("profile") or {}
+    inp = profile.get("max_input_len") if isinstance(profile, dict) else None
+    by_batch = [p for p in points if p.get("seq_len") == inp] or [p for p in points if p.get("seq_len") == max(
+        (q.get("seq_len", 0) for q in points), default=0)]
+    by_batch = sorted(by_batch, key=lambda p: p["batch_size"])
+    parts.append("<h2>Throughput</h2>" + svg.vbar_chart(
+        "chart-throughput", f"Forward tokens/s by batch size (sequence {by_batch[0]['seq_len'] if by_batch else '—'})",
+        [str(p["batch_size"]) for p in by_batch], [p["tokens_per_s"] for p in by_batch], unit="tokens/s",
+        x_label="batch size"))
+    by_seq = sorted((p for p in points if p.get("batch_size") == 1), key=lambda p: p["seq_len"])
+    if by_seq:
+        parts.append(svg.vbar_chart("chart-throughput-seq", "Forward tokens/s by sequence length (batch 1)",
+                                    [str(p["seq_len"]) for p in by_seq], [p["tokens_per_s"] for p in by_seq],
+                                    unit="tokens/s", x_label="sequence length", color="#4c51bf"))
+    parts.append(_table(["batch", "sequence", "tokens/s (median)", "tokens/s (best)", "median s", "spread s", "reps"],
+                        [[_fmt(p.get("batch_size")), _fmt(p.get("seq_len")), _fmt(p.get("tokens_per_s")),
+                          _fmt(p.get("tokens_per_s_best")), _fmt(p.get("seconds_median")),
+                          _fmt(p.get("seconds_spread")), _fmt(p.get("reps"))] for p in points], (0, 1, 2, 3, 4, 5, 6)))
+
+    # latency
+    cond = doc.get("conditions") or {}
+    lat_cond = cond.get("latency") or {}
+    parts.append("<h2>Generation latency</h2>")
+    if lat_cond.get("note"):
+        parts.append(f'<p class="note">{escape(lat_cond["note"])}.</p>')
+    parts.append(_table(["batch", "prompt", "new tokens", "TTFT ms", "TPOT ms", "decode tokens/s", "reps"],
+                        [[_fmt(p.get("batch_size")), _fmt(p.get("prompt_len")), _fmt(p.get("new_tokens")),
+                          _fmt(p.get("ttft_ms")), _fmt(p.get("tpot_ms")), _fmt(p.get("decode_tokens_per_s")),
+                          _fmt(p.get("reps"))] for p in doc.get("latency") or []], (0, 1, 2, 3, 4, 5, 6)))
+
+    # memory
+    mem_cond = cond.get("memory") or {}
+    budget = doc.get("memory_budget_bytes")
+    mem_rows = [("peak at the corner", doc.get("peak_memory_bytes"), "engine")]
+    if budget is not None:
+        mem_rows.append(("budget", budget, "reference"))
+    corner = mem_cond.get("corner") or {}
+    parts.append("<h2>Peak memory</h2>" + svg.hbar_chart(
+        "chart-memory", f"Peak memory at batch {corner.get('batch_size', '—')} × sequence {corner.get('seq_len', '—')}",
+        [(label, (v / 2**20) if isinstance(v, (int, float)) else None, c) for label, v, c in mem_rows], unit="MiB",
+        note=str(mem_cond.get("method") or "")[:110]))
+    parts.append(f"<p>peak {escape(_bytes(doc.get('peak_memory_bytes')))} of a budget of {escape(_bytes(budget))} "
+                 f"({escape(str((cond.get('gate_sources') or {}).get('max_peak_memory_bytes', '')))}).</p>")
+
+    # regression
+    parts.append("<h2>Regression against the previous engine</h2>")
+    if prev:
+        t = reg.get("throughput") or {}
+        parts.append(_table(["", "value"], [
+            ["previous engine", f"<code>{escape(str(prev.get('digest')))}</code> ({escape(str(prev.get('status')))}, "
+                                f"{escape(str(prev.get('created_at')))})"],
+            ["peak tokens/s, previous → now (best of reps)",
+             f"{_fmt(t.get('previous_peak_tokens_per_s'))} → {_fmt(t.get('peak_tokens_per_s'))}"
+             + (" (re-measured)" if t.get("rechecked") else "")],
+            ["throughput drop %", _fmt(reg.get("throughput_drop_pct"))],
+            ["perplexity increase, previous → now (%)",
+             f"{_fmt(prev.get('ppl_increase_pct'))} → {_fmt(doc.get('ppl_increase_pct'))}"],
+            ["accuracy regression (percentage points)", _fmt(reg.get("accuracy_regression_pct"))],
+            ["thresholds", escape(", ".join(f"{k} {v:g}" for k, v in (reg.get("thresholds") or {}).items()))],
+        ]))
+    else:
+        parts.append("<p>No previous validated engine of this target: nothing to compare with.</p>")
+    if reg.get("override_reason"):
+        parts.append(f'<p class="note">Override reason: {escape(str(reg["override_reason"]))}</p>')
+
+    # timeline
+    stages = doc.get("stages") or []
+    parts.append("<h2>Stage timeline</h2>" + svg.timeline(
+        "chart-timeline", "Build stages (seconds)",
+        [(s.get("name") or "?", float(s.get("seconds") or 0.0), s.get("status") or "") for s in stages]))
+
+    # conditions and spec
+    parts.append("<h2>Conditions</h2>" + _table(["condition", "value"], [
+        [escape(k), escape(_fmt(v) if not isinstance(v, (list, tuple)) else json.dumps(v))]
+        for k, v in _flatten(cond)]))
+    parts.append("<h2>Build spec</h2>" + _table(["field", "value"], [
+        [escape(k), escape(_fmt(v) if not isinstance(v, (list, tuple)) else json.dumps(v))]
+        for k, v in _flatten(doc.get("spec") or {})]))
+    parts.append("<h2>Toolchain</h2>" + _table(["tool", "version"], [
+        [escape(k), escape(str(v))] for k, v in sorted((doc.get("toolchain") or {}).items())]))
+
+    title = f"{'PASS' if passed else 'FAIL'} — Kiln validation report {name}"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(parts)
+            + "\n</body></html>\n")
+
+
+def _pct(v: Any) -> Any:
+    return v * 100 if isinstance(v, (int, float)) else v
+
+
+# -- JUnit XML -------------------------------------------------------------------------------------
+def render_junit(doc: dict) -> str:
+    """One ``<testcase>`` per gate: a ``<failure>`` for a failed gate, ``<skipped>`` for a regression gate that
+    could not be judged (no previous engine, different conditions)."""
+    e = doc.get("engine") or {}
+    gates = doc.get("gates") or []
+    not_judged = _not_judged(doc)
+    failures = sum(1 for g in gates if not g.get("passed"))
+    suite_name = f"kiln.validation.{e.get('repository')}:{e.get('tag')}"
+    validate_s = next((s["seconds"] for s in doc.get("stages") or [] if s.get("name") == "validate"), 0.0)
+    root = ET.Element("testsuites", name="kiln validation", tests=str(len(gates) + len(not_judged)),
+                      failures=str(failures), errors="0", skipped=str(len(not_judged)), time=f"{validate_s:.3f}")
+    suite = ET.SubElement(root, "testsuite", name=suite_name, tests=str(len(gates) + len(not_judged)),
+                          failures=str(failures), errors="0", skipped=str(len(not_judged)), time=f"{validate_s:.3f}")
+    if e.get("created"):
+        suite.set("timestamp", str(e["created"]).rstrip("Z"))
+    props = ET.SubElement(suite, "properties")
+    for k, v in (("digest", doc.get("digest")), ("build_key", e.get("build_key")), ("verdict", doc.get("verdict")),
+                 ("repository", e.get("repository")), ("tag", e.get("tag"))):
+        ET.SubElement(props, "property", name=k, value=str(v))
+    for g in gates:
+        case = ET.SubElement(suite, "testcase", classname=suite_name, name=g["name"], time="0")
+        detail = (f"{g['name']}: value {_gate_value(g['name'], g['value'])} {_op(g['name'])} threshold "
+                  f"{_gate_value(g['name'], g['threshold'])}")
+        if g.get("against"):
+            detail += f" (against the previous engine {g['against']})"
+        if not g.get("passed"):
+            failure = ET.SubElement(case, "failure", message=detail.replace(f" {_op(g['name'])} ", " violates "),
+                                    type="GateFailed")
+            failure.text = detail
+        else:
+            ET.SubElement(case, "system-out").text = detail
+    for gname, why in not_judged.items():
+        case = ET.SubElement(suite, "testcase", classname=suite_name, name=gname, time="0")
+        ET.SubElement(case, "skipped", message=why)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
