@@ -73,7 +73,9 @@ class Registry:
 
     def referrer_of(self, digest: str) -> Referrer:
         with self.sessions() as s:
-            return s.query(Referrer).filter_by(subject=digest).one()
+            from builder.publish import PROVENANCE_TYPE
+
+            return s.query(Referrer).filter_by(subject=digest, artifact_type=PROVENANCE_TYPE).one()
 
     def corrupt(self, digest: str, data: bytes) -> None:
         path = self.store.root / paths.blob_path(digest)
@@ -343,12 +345,15 @@ def test_referrers_index_and_artifact_type_filter(reg, engine):
     assert "OCI-Filters-Applied" not in r.headers
     index = r.json()
     assert index["schemaVersion"] == 2 and index["mediaType"] == MEDIA_TYPE_IMAGE_INDEX
-    assert index["manifests"] == [{"mediaType": MEDIA_TYPE_IMAGE_MANIFEST, "digest": ref.digest, "size": ref.size,
-                                   "artifactType": PROVENANCE_TYPE,
-                                   "annotations": {"dev.kiln.build-key": engine.build_key}}]
+    # provenance and the validation report both refer to the engine
+    assert {m["artifactType"] for m in index["manifests"]} == {PROVENANCE_TYPE,
+                                                                "application/vnd.kiln.validation-report.v1+json"}
+    prov = [m for m in index["manifests"] if m["artifactType"] == PROVENANCE_TYPE]
+    assert prov == [{"mediaType": MEDIA_TYPE_IMAGE_MANIFEST, "digest": ref.digest, "size": ref.size,
+                     "artifactType": PROVENANCE_TYPE, "annotations": {"dev.kiln.build-key": engine.build_key}}]
     # the descriptor is true: size and digest of the stored referrer manifest, whose annotations it copies
     stored = reg.store.get_bytes(ref.digest)
-    assert len(stored) == ref.size and json.loads(stored)["annotations"] == index["manifests"][0]["annotations"]
+    assert len(stored) == ref.size and json.loads(stored)["annotations"] == prov[0]["annotations"]
     hit = reg.client.get(f"/v2/{REPO}/referrers/{engine.digest}", params={"artifactType": PROVENANCE_TYPE})
     assert hit.headers["OCI-Filters-Applied"] == "artifactType" and len(hit.json()["manifests"]) == 1
     miss = reg.client.get(f"/v2/{REPO}/referrers/{engine.digest}", params={"artifactType": "application/x-other"})
