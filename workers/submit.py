@@ -17,7 +17,7 @@ from kiln.keys import build_key
 from kiln.models import Artifact, Build
 from kiln.settings import Settings
 from kiln.spec import BuildSpec
-from workers.capabilities import queue_name
+from workers.capabilities import queue_name, routing_queues
 from workers.registry import waiting_reason, workers_for
 
 Enqueue = Callable[[str, str], None]
@@ -39,10 +39,22 @@ def candidate_keys(session: Session, prepared, queue: str) -> set[str]:
     return keys or {prepared.build_key}
 
 
+def choose_queue(session: Session, spec: BuildSpec) -> str:
+    """The queue for ``spec``: for TensorRT-LLM engines the newest versioned queue (toolchain in the name) that
+    a worker serves, else the generic queue, where the build waits for a capable worker."""
+    from kiln.models import Worker
+    from workers.registry import is_live
+
+    rows = session.scalars(select(Worker)).all()
+    advertised = {q for w in ([w for w in rows if is_live(w)] or rows) for q in (w.queues or [])}
+    candidates = routing_queues(spec.backend, spec.target, spec.tp_size, advertised)
+    return candidates[0] if candidates else queue_name(spec.backend, spec.target, tp_size=spec.tp_size)
+
+
 def submit(settings: Settings, sessions: sessionmaker[Session], spec: BuildSpec, enqueue: Enqueue) -> Submitted:
     prepared, _ = Builder(settings, None, sessions).prepare(spec, check_environment=False)
-    queue = queue_name(spec.backend, spec.target)
     with sessions() as session:
+        queue = choose_queue(session, spec)
         keys = candidate_keys(session, prepared, queue)
         artifact = session.scalars(select(Artifact).where(Artifact.build_key.in_(keys), Artifact.status != "revoked")
                                    .order_by(Artifact.created_at.desc())).first()
