@@ -102,6 +102,8 @@ def spec_from_options(checkpoint: str, o: dict) -> dict:
             "evaluation": {"dataset": o["eval_dataset"], "seq_len": o["eval_seq_len"], "max_tokens": o["eval_max_tokens"]}}
     if o.get("model_name"):
         spec["model_name"] = o["model_name"]
+    if o.get("override_reason"):
+        spec["override_reason"] = o["override_reason"]
     return spec
 
 
@@ -170,6 +172,7 @@ def _print_summary(out: dict) -> None:
 @click.option("--eval-seq-len", default=128, show_default=True, type=int)
 @click.option("--eval-max-tokens", default=16384, show_default=True, type=int)
 @click.option("--gate", multiple=True, help="override a validation gate: name=value (repeatable)")
+@click.option("--override-reason", help="why a regression gate is loosened (required to change it; recorded)")
 @click.option("--dry-run", is_flag=True, help="print the plan (keys, cache state, exact commands) and do no work")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
 @click.option("--server", help="submit to a remote Kiln (http://host:8000) instead of building here")

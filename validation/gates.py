@@ -115,6 +115,14 @@ def _common_peak(current: list[dict], previous: list[dict]) -> tuple[tuple[int, 
 COMPARABLE_CONDITIONS = ("device", "threads", "cpus", "cpu_model", "gpu")
 
 
+def _busy(conditions: dict) -> bool:
+    """A CPU measurement taken while other work competed for the cores: the 1-minute load average exceeded the
+    CPU count by more than one (the measurement's own threads account for up to the CPU count)."""
+    load, cpus = conditions.get("load_avg_1m"), conditions.get("cpus")
+    return (str(conditions.get("device", "cpu")) == "cpu" and isinstance(load, (int, float))
+            and isinstance(cpus, int) and load > cpus + 1)
+
+
 def regression(metrics: dict, conditions: dict, previous: dict | None, gates: dict[str, float], *,
                remeasure: Callable[[int, int], float] | None = None, override_reason: str | None = None,
                ) -> tuple[dict, list[dict]]:
@@ -122,7 +130,8 @@ def regression(metrics: dict, conditions: dict, previous: dict | None, gates: di
     for the report and the verdicts of the regression gates that could be judged.
 
     Throughput is compared as the peak best-of-reps tokens/s over the points both engines measured, and only
-    under the same conditions (device, threads, CPU count and model, GPU); an apparent drop beyond the threshold
+    under the same conditions (device, threads, CPU count and model, GPU) on CPUs that were not busy with other
+    work (1-minute load ≤ CPUs + 1, then and now); an apparent drop beyond the threshold
     is measured again at the previous engine's peak point with ``remeasure(batch, seq)`` (best tokens/s of more
     repetitions) before it fails. Accuracy is compared as the change in ``ppl_increase_pct``, in percentage
     points, and only when both engines were evaluated on the same text with the same settings."""
@@ -151,6 +160,10 @@ def regression(metrics: dict, conditions: dict, previous: dict | None, gates: di
     if differing:
         record["not_judged"][name] = ("measured under different conditions (" + ", ".join(
             f"{k} {prev_cond.get(k)!r} then, {conditions.get(k)!r} now" for k in differing) + ")")
+    elif busy := [f"{who} (1-minute load {c.get('load_avg_1m')} on {c.get('cpus')} CPUs)"
+                  for who, c in (("now", conditions), ("then", prev_cond)) if _busy(c)]:
+        record["not_judged"][name] = ("the machine was busy while throughput was measured " + " and ".join(busy)
+                                      + ": a CPU timing under contention is no baseline and no evidence")
     elif cur_point is None or prev_peak <= 0:
         record["not_judged"][name] = "the two engines share no measured (batch, sequence) point"
     else:

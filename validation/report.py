@@ -103,7 +103,7 @@ def _fmt(v: Any, digits: int = 4) -> str:
     if isinstance(v, float):
         if not math.isfinite(v):
             return "∞" if v > 0 else ("−∞" if v < 0 else "NaN")
-        if abs(v) >= 1e6:
+        if abs(v) >= 1e4:
             return f"{v:,.0f}"
         return f"{v:.{digits}g}"
     if isinstance(v, int):
@@ -209,11 +209,18 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
                 ("this engine", doc.get("perplexity"), "engine")]
     if prev:
         acc_rows.append((f"previous {str(prev.get('digest'))[7:19]}", prev.get("perplexity"), "previous"))
-    note = (f"top-1 agreement {_fmt(_pct(doc.get('top1_agreement')))} %, mean KL {_fmt(doc.get('mean_kl'))}, "
-            f"perplexity {_fmt(doc.get('ppl_increase_pct'), 3)} % above the reference, on {_fmt(doc.get('eval_tokens'))} "
-            "held-out tokens")
     parts.append("<h2>Accuracy</h2>" + svg.hbar_chart("chart-accuracy", "Perplexity on held-out text (lower is better)",
-                                                       acc_rows, note=note))
+                                                       acc_rows))
+    ppl_gate = next((g for g in gates if g["name"] == "max_ppl_increase_pct"), None)
+    delta_rows = [("this engine", doc.get("ppl_increase_pct"), "engine")]
+    if prev:
+        delta_rows.append((f"previous {str(prev.get('digest'))[7:19]}", prev.get("ppl_increase_pct"), "previous"))
+    if ppl_gate:
+        delta_rows.append(("gate (at most)", ppl_gate["threshold"], "reference"))
+    parts.append(svg.hbar_chart("chart-accuracy-delta", "Perplexity increase over the reference", delta_rows, unit="%"))
+    parts.append(f"<p>top-1 agreement with the reference {escape(_fmt(_pct(doc.get('top1_agreement'))))} %, mean "
+                 f"per-token KL {escape(_fmt(doc.get('mean_kl')))}, on {escape(_fmt(doc.get('eval_tokens')))} held-out "
+                 "tokens.</p>")
     if prev:
         parts.append(_table(["", "this engine", "previous engine"], [
             ["perplexity", _fmt(doc.get("perplexity")), _fmt(prev.get("perplexity"))],
@@ -263,10 +270,10 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     corner = mem_cond.get("corner") or {}
     parts.append("<h2>Peak memory</h2>" + svg.hbar_chart(
         "chart-memory", f"Peak memory at batch {corner.get('batch_size', '—')} × sequence {corner.get('seq_len', '—')}",
-        [(label, (v / 2**20) if isinstance(v, (int, float)) else None, c) for label, v, c in mem_rows], unit="MiB",
-        note=str(mem_cond.get("method") or "")[:110]))
+        [(label, (v / 2**20) if isinstance(v, (int, float)) else None, c) for label, v, c in mem_rows], unit="MiB"))
     parts.append(f"<p>peak {escape(_bytes(doc.get('peak_memory_bytes')))} of a budget of {escape(_bytes(budget))} "
-                 f"({escape(str((cond.get('gate_sources') or {}).get('max_peak_memory_bytes', '')))}).</p>")
+                 f"({escape(str((cond.get('gate_sources') or {}).get('max_peak_memory_bytes', '')))}). Measured by: "
+                 f"{escape(str(mem_cond.get('method') or '—'))}.</p>")
 
     # regression
     parts.append("<h2>Regression against the previous engine</h2>")

@@ -55,7 +55,7 @@ def vbar_chart(chart_id: str, title: str, labels: list[str], values: list[float]
 def hbar_chart(chart_id: str, title: str, rows: list[tuple[str, float, str]], *, unit: str = "",
                note: str = "") -> str:
     """Horizontal bars: rows of (label, value, color name or #hex)."""
-    top, row_h, left = 30, 28, 150
+    top, row_h, left = 30, 28, 190
     height = top + row_h * max(1, len(rows)) + (28 if note else 12)
     plot_w = WIDTH - left - 90
     finite = [v for _, v, _ in rows if v is not None and math.isfinite(v)]

@@ -21,7 +21,8 @@ from kiln.settings import Settings
 from kiln.spec import MODEL_NAME_RE, parse_spec
 from workers.submit import Enqueue, Submitted, submit
 
-MATRIX_FIELDS = {"precision", "profile", "target", "backend", "kv_cache", "tp_size", "calibration", "evaluation", "gates"}
+MATRIX_FIELDS = {"precision", "profile", "target", "backend", "kv_cache", "tp_size", "calibration", "evaluation", "gates",
+                 "override_reason"}
 
 
 @dataclass

@@ -194,7 +194,7 @@ def test_raw_http_referrers_tags_catalog(reg):
     base = f"{reg.url}/v2"
     idx = httpx.get(f"{base}/{REPO}/referrers/{reg.digest}")
     assert idx.status_code == 200 and idx.headers["Content-Type"] == "application/vnd.oci.image.index.v1+json"
-    [ref] = idx.json()["manifests"]
+    [ref] = [m for m in idx.json()["manifests"] if m["artifactType"] == "application/vnd.kiln.provenance.v1+json"]
     assert ref["artifactType"] == "application/vnd.kiln.provenance.v1+json"
     assert "dev.kiln.build-key" in ref["annotations"]
     body = httpx.get(f"{base}/{REPO}/manifests/{ref['digest']}")

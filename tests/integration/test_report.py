@@ -53,15 +53,19 @@ def test_the_first_engine_has_nothing_to_compare_with(first):
     assert max(p["seq_len"] for p in m["throughput"]) == 512  # the latency profile's max_seq_len
 
 
-def test_the_second_engine_of_the_same_target_is_judged_against_the_first(first, second):
+def test_the_second_engine_of_the_same_target_is_judged_against_the_first(home, first, second):
     assert second["digest"] != first["digest"] and second["build_key"] != first["build_key"]
     assert second["artifact"]["tag"] == first["artifact"]["tag"]
     g = gates(second)
     acc = g["max_accuracy_regression_pct"]
     assert acc["against"] == first["digest"] and acc["threshold"] == 1.0
     assert acc["value"] == pytest.approx(0.0, abs=1e-9) and acc["passed"]  # same checkpoint, same text
-    drop = g["max_throughput_drop_pct"]
-    assert drop["against"] == first["digest"] and drop["threshold"] == 20.0
+    if "max_throughput_drop_pct" in g:
+        drop = g["max_throughput_drop_pct"]
+        assert drop["against"] == first["digest"] and drop["threshold"] == 20.0
+    else:  # a CPU busy with other work gives no throughput evidence either way; the report says so
+        doc = json.loads(kiln("report", second["digest"], home=home, check=True).stdout)
+        assert "busy" in doc["not_judged"]["max_throughput_drop_pct"]
     failed = [name for name, v in g.items() if not v["passed"]]
     # a shared CI machine can be slower for the whole validation; then the gate says so, and only it
     assert second["status"] == "succeeded" or failed == ["max_throughput_drop_pct"], g
@@ -98,7 +102,8 @@ def test_report_html_and_junit_files(home, second, tmp_path):
     assert "<script" not in html and "previous" in html
     suite = ET.parse(junit_path).getroot().find("testsuite")
     cases = suite.findall("testcase")
-    assert [c.get("name") for c in cases] == [g["name"] for g in second["validation"]["gates"]]
+    judged = [c.get("name") for c in cases if c.find("skipped") is None]
+    assert judged == [g["name"] for g in second["validation"]["gates"]]
     assert {c.get("name") for c in cases if c.find("failure") is not None} == {
         g["name"] for g in second["validation"]["gates"] if not g["passed"]}
 

@@ -159,6 +159,23 @@ def test_throughput_is_not_compared_across_different_conditions(key, other):
     assert by_name(verdicts)["max_accuracy_regression_pct"]["passed"] is True  # accuracy still compared
 
 
+@pytest.mark.parametrize("now_load, then_load, judged", [(2.9, 0.1, True), (3.1, 0.1, False), (0.5, 7.0, False),
+                                                         (None, None, True)])
+def test_throughput_measured_on_a_busy_cpu_is_not_judged(now_load, then_load, judged):
+    now = {**COND, "load_avg_1m": now_load}
+    record, verdicts = regression(metrics(tps=(10.0, 20.0)), now, previous(cond={**COND, "load_avg_1m": then_load}), {})
+    assert ("max_throughput_drop_pct" in by_name(verdicts)) is judged
+    if not judged:
+        assert "busy" in record["not_judged"]["max_throughput_drop_pct"]
+        assert "max_accuracy_regression_pct" in by_name(verdicts)
+
+
+def test_a_busy_host_does_not_matter_to_a_gpu_measurement():
+    gpu = {**COND, "device": "cuda", "gpu": "NVIDIA H200", "load_avg_1m": 40.0}
+    _, verdicts = regression(metrics(tps=(10.0, 20.0)), gpu, previous(cond=gpu), {})
+    assert by_name(verdicts)["max_throughput_drop_pct"]["passed"] is False  # judged: a 90 % drop
+
+
 def test_only_points_both_engines_measured_are_compared():
     prev = previous()
     prev["metrics"]["throughput"] = [{"batch_size": 1, "seq_len": 256, "tokens_per_s": 100.0},

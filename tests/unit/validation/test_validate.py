@@ -170,8 +170,11 @@ def test_fp8_export_passes_the_tighter_fp8_gates(fp8_export, reference, heldout)
     assert report["metrics"]["ppl_increase_pct"] < 3.0
 
 
+SMALL = {"max_batch_size": 1, "max_input_len": 64, "max_seq_len": 96, "max_num_tokens": 96}  # quick speed checks
+
+
 def test_fp8_export_with_one_corrupted_scale_fails_loudly(damaged_fp8, reference, heldout):
-    spec = nvfp4_spec(precision="fp8")
+    spec = nvfp4_spec(precision="fp8", profile=SMALL)
     report = validate(DequantizedCheckpointRunner(damaged_fp8), reference, TINY, heldout, spec,
                       effective_gates("fp8", {}), 2048)
     m = report["metrics"]
@@ -183,7 +186,7 @@ def test_fp8_export_with_one_corrupted_scale_fails_loudly(damaged_fp8, reference
 
 
 def test_an_impossible_threshold_fails_only_its_gate(fp8_export, reference, heldout):
-    spec = nvfp4_spec(precision="fp8", gates={"max_peak_memory_bytes": 1})
+    spec = nvfp4_spec(precision="fp8", profile=SMALL, gates={"max_peak_memory_bytes": 1})
     report = validate(DequantizedCheckpointRunner(fp8_export / "hf"), reference, TINY, heldout, spec,
                       effective_gates("fp8", spec.gates), 2048)
     failed = [g["name"] for g in report["gates"] if not g["passed"]]
