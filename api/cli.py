@@ -144,6 +144,15 @@ def _print_summary(out: dict) -> None:
         click.echo(f"validation {verdict}: perplexity {m['perplexity']:.3f} vs reference {m['reference_perplexity']:.3f} "
                    f"({m['ppl_increase_pct']:+.2f}%), top-1 agreement {m['top1_agreement'] * 100:.1f}%, "
                    f"mean KL {m['mean_kl']:.4f}, peak {peak:,.0f} tokens/s")
+        extra = []
+        if isinstance(m.get("ttft_ms"), (int, float)):
+            extra.append(f"TTFT {m['ttft_ms']:.1f} ms")
+        if isinstance(m.get("tpot_ms"), (int, float)):
+            extra.append(f"TPOT {m['tpot_ms']:.1f} ms")
+        if isinstance(m.get("peak_memory_bytes"), (int, float)):
+            extra.append(f"peak memory {m['peak_memory_bytes'] / 2**20:,.0f} MiB at the envelope corner")
+        if extra:
+            click.echo("  " + ", ".join(extra))
         for g in v.get("gates", []):
             op = "≤" if g["name"].startswith("max_") else "≥"
             click.echo(f"  gate {g['name']:<22} {g['value']:>12.4f} {op} {g['threshold']:<10g} {'pass' if g['passed'] else 'FAIL'}")
