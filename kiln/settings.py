@@ -31,6 +31,7 @@ class Settings(BaseSettings):
     bootstrap_token: str | None = None
     anonymous_read: bool = False  # allow artifacts:read endpoints (resolve, /v2 pulls) without a token
     max_body_bytes: int = 1 << 20
+    redirect_blobs: bool = False  # /v2 blob GETs answer 307 to a short-lived presigned S3 URL (S3 stores only)
 
     @property
     def auth_required(self) -> bool:

@@ -351,7 +351,8 @@ def blob(name: str, digest: str, request: Request) -> Response:
     size = store.stat(digest).size
     headers = {"Docker-Content-Digest": digest, "ETag": f'"{digest}"', "Accept-Ranges": "bytes"}
     media_type = "application/octet-stream"
-    if request.method == "GET" and REDIRECT_BLOBS and (url := store.presigned_url(digest, REDIRECT_EXPIRES_S)):
+    redirect = REDIRECT_BLOBS or request.app.state.settings.redirect_blobs
+    if request.method == "GET" and redirect and (url := store.presigned_url(digest, REDIRECT_EXPIRES_S)):
         return Response(status_code=307, headers={**headers, "Location": url})
     span = _parse_range(request.headers.get("range"), size)
     if span is None:
