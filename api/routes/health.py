@@ -10,7 +10,7 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz():
+async def healthz():
     """The process is up."""
     return {"status": "ok"}
 
