@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 from kiln.digests import sha256_file, sha256_json
 from kiln.errors import CheckpointNotFound, StorageUnavailable
+from kiln.spec import local_path
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def _fingerprint(directory: Path) -> str:
 
 
 def _resolve_local(ref: str, cache_root: Path) -> tuple[ResolvedCheckpoint, bool]:
-    path = Path(urlparse(ref).path if ref.startswith("file://") else ref).expanduser().resolve()
+    path = local_path(ref)
     if not path.is_dir():
         raise CheckpointNotFound(f"{path} is not a directory", field="checkpoint",
                                  fix="give a directory holding config.json and *.safetensors")

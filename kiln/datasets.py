@@ -22,7 +22,9 @@ def load_text(name: str, *, field: str, roots: list[Path]) -> tuple[str, str]:
     elif name.startswith("kiln:"):
         raise SpecError(f"unknown built-in dataset {name!r}", field=field, fix=f"use one of: {', '.join(BUILTIN)}")
     else:
-        path = Path(name.removeprefix("file://")).expanduser().resolve()
+        from kiln.spec import local_path
+
+        path = local_path(name)
         if not any(path == r or path.is_relative_to(r) for r in roots):
             raise SpecError(f"{path} is outside the allowed roots", field=field,
                             fix="put the file under a checkpoint root (KILN_CHECKPOINT_ROOTS)")

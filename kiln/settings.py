@@ -16,7 +16,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
 
-    home: Path = Field(default_factory=lambda: Path.home() / ".kiln")
+    home: Path = Field(default_factory=lambda: Path(os.environ["HOME"]) / ".kiln" if os.environ.get("HOME")
+                       else Path("/var/lib/kiln"))
     database_url: str | None = None  # default: sqlite under home
     broker_url: str | None = None  # default: SQLite broker under home (no server)
     store_url: str | None = None  # default: file://<home>/store
@@ -39,7 +40,7 @@ class Settings(BaseSettings):
 
     @cached_property
     def home_dir(self) -> Path:
-        return self.home.expanduser().resolve()
+        return _expand(self.home)
 
     @property
     def db_url(self) -> str:
@@ -61,7 +62,15 @@ class Settings(BaseSettings):
     @property
     def roots(self) -> list[Path]:
         raw = self.checkpoint_roots or os.getcwd()
-        return [Path(p).expanduser().resolve() for p in raw.split(os.pathsep) if p]
+        return [_expand(Path(p)) for p in raw.split(os.pathsep) if p]
+
+
+def _expand(path: Path) -> Path:
+    try:
+        path = path.expanduser()
+    except RuntimeError:  # no home directory known: keep "~" literally
+        pass
+    return path.resolve()
 
 
 def get_settings() -> Settings:

@@ -131,6 +131,17 @@ def normalize_target(value: str) -> tuple[str | None, dict | None]:
                       f"use cpu, one of {', '.join(GPU_ARCHS)}, or a GPU name such as {', '.join(list(GPU_NAMES)[:6])}")
 
 
+def local_path(ref: str) -> Path:
+    """A local checkpoint reference (a path or file://) as an absolute path. ``~`` is expanded where a home
+    directory is known and left as a literal folder name where it is not (services often run without $HOME)."""
+    path = Path(urlparse(ref).path if ref.startswith("file://") else ref)
+    try:
+        path = path.expanduser()
+    except RuntimeError:
+        pass
+    return path.resolve()
+
+
 def check_checkpoint_ref(ref: str, roots: list[Path]) -> dict | None:
     """Shape of the reference, and local paths only under the configured roots (no traversal)."""
     if not isinstance(ref, str) or not ref.strip():
@@ -146,7 +157,7 @@ def check_checkpoint_ref(ref: str, roots: list[Path]) -> dict | None:
         return None
     if "://" in ref and not ref.startswith("file://"):
         return _bad("checkpoint", f"unsupported scheme in {ref!r}", "use hf://, s3://, file:// or a directory path")
-    path = Path(urlparse(ref).path if ref.startswith("file://") else ref).expanduser().resolve()
+    path = local_path(ref)
     if not any(path == root or path.is_relative_to(root) for root in roots):
         return _bad("checkpoint", f"{path} is outside the allowed checkpoint roots",
                     "move it under a root or add its parent to KILN_CHECKPOINT_ROOTS")
@@ -287,5 +298,5 @@ def parse_spec(data: dict[str, Any], roots: list[Path]) -> BuildSpec:
     d["model_name"] = d.get("model_name") or default_model_name(d["checkpoint"])
     ref = d["checkpoint"]
     if not ref.startswith(("hf://", "s3://")):  # a local path means the same folder to every process
-        d["checkpoint"] = str(Path(urlparse(ref).path if ref.startswith("file://") else ref).expanduser().resolve())
+        d["checkpoint"] = str(local_path(ref))
     return BuildSpec.model_validate(d)
