@@ -39,8 +39,6 @@ THIRD_PARTY_COMMANDS = {
     "minio/minio": {"server"},
     "minio/mc": {None},  # minio-init runs a /bin/sh -c script, checked on its own below
 }
-# Kiln subcommands that other engineers are adding now; their absence is expected for a while.
-PENDING_SUBCOMMANDS = {"api", "worker"}
 # What NVIDIA's TensorRT-LLM container provides and the GPU image must not reinstall.
 CONTAINER_PROVIDED = {"torch", "nvidia-modelopt", "transformers", "tensorrt", "tensorrt-llm"}
 KILN_HOME = "/var/lib/kiln"
@@ -243,9 +241,6 @@ def test_kiln_service_runs_a_real_kiln_subcommand(services, name):
         args = args[1:]
     cmd, rest, missing = _kiln_command(args)
     if missing is not None:
-        if missing in PENDING_SUBCOMMANDS:
-            pytest.xfail(f"`kiln {missing}` is not in api/cli.py yet (being added by another change); "
-                         f"docker-compose.yml's {name} service runs `kiln {' '.join(args)}`")
         pytest.fail(f"{name}: `kiln {' '.join(args)}`: api/cli.py has no subcommand {missing!r}")
     assert not isinstance(cmd, click.Group), f"{name}: `kiln {' '.join(args)}` names a group, not a command"
     known = {opt for p in cmd.params if isinstance(p, click.Option) for opt in (*p.opts, *p.secondary_opts)}
@@ -272,11 +267,9 @@ def test_the_api_serves_the_path_its_healthcheck_probes(services):
     """The probe's URL is a GET route of the real application (built with the embedded defaults; no server)."""
     probe = " ".join(services["api"]["healthcheck"]["test"])
     path = re.search(r"https?://[^/'\"]+(/[^'\"\s]*)", probe).group(1)
-    try:
-        from api.app import create_app
-    except ImportError as exc:
-        pytest.xfail(f"api/app.py is not there yet (being added by another change): {exc}")
     from fastapi.testclient import TestClient
+
+    from api.app import create_app
 
     with TestClient(create_app()) as client:
         response = client.get(path)
