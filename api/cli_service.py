@@ -64,21 +64,15 @@ def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None
 
 
 def requeue_waiting(queues: list[str]) -> int:
-    """Re-enqueue queued builds of these queues whose messages may be lost (e.g. the broker was emptied).
-    Duplicate messages are harmless: a build is claimed atomically by exactly one worker."""
-    from sqlalchemy import select
-
+    """At start: re-enqueue every queued build of these queues (their messages may be lost, e.g. the broker was
+    emptied). Duplicate messages are harmless: a build is claimed atomically by exactly one worker."""
     from kiln import db
-    from kiln.models import Build
     from kiln.settings import get_settings
+    from workers.reconcile import requeue_lost
     from workers.submit import celery_enqueue
 
     sessions = db.session_factory(get_settings().db_url)
-    with sessions() as s:
-        ids = [(b.id, b.queue) for b in s.scalars(select(Build).where(Build.status == "queued", Build.queue.in_(queues)))]
-    for build_id, queue in ids:
-        celery_enqueue(build_id, queue)
-    return len(ids)
+    return len(requeue_lost(sessions, queues, celery_enqueue, lambda queue: 0, min_age_s=0))
 
 
 @main.command()

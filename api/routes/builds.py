@@ -9,11 +9,11 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from api.deps import SessionDep, SessionsDep, SettingsDep
 from api.schemas import artifact_answer, build_read
-from kiln.errors import ArtifactUnknown, KilnError, SpecError
+from kiln.errors import ArtifactUnknown, SpecError
 from kiln.models import TERMINAL, Build, BuildEvent
 from kiln.spec import BuildSpec, parse_spec
 from workers.registry import waiting_reason
@@ -151,9 +151,3 @@ async def build_events(build_id: str, request: Request, sessions: SessionsDep):
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-
-def count_by_status(session) -> dict[str, int]:
-    return dict(session.execute(select(Build.status, func.count()).group_by(Build.status)).all())
-
-
-__all__ = ["router", "KilnError"]
