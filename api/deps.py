@@ -11,11 +11,12 @@ from artifacts.interfaces import BlobStore
 from kiln.settings import Settings
 
 
-def get_settings(request: Request) -> Settings:
+# Plain attribute reads are ``async def``: FastAPI runs a sync dependency on a worker thread, a hop per request.
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_sessions(request: Request) -> sessionmaker[Session]:
+async def get_sessions(request: Request) -> sessionmaker[Session]:
     return request.app.state.sessions
 
 
@@ -24,7 +25,7 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_store(request: Request) -> BlobStore:
+async def get_store(request: Request) -> BlobStore:
     return request.app.state.store
 
 

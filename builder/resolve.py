@@ -49,16 +49,37 @@ def file_manifest(directory: Path) -> list[dict]:
 
 
 def _fingerprint(directory: Path) -> str:
-    """Cheap identity of a directory's current content: paths, sizes, mtimes and inodes (as git's index does)."""
-    entries = []
-    for path in sorted(directory.rglob("*")):
-        rel = path.relative_to(directory)
-        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
-            continue
-        st = path.stat()
-        # ctime changes on every write and cannot be set back by utime(), unlike mtime
-        entries.append([rel.as_posix(), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
-    return sha256_json({"dir": str(directory), "entries": entries})
+    """Cheap identity of a directory's current content: paths, sizes, mtimes, ctimes and inodes (as git's index
+    does) of the files :func:`file_manifest` would hash."""
+    return sha256_json({"dir": str(directory), "entries": stat_entries(directory)})
+
+
+def stat_entries(directory: Path) -> list[list]:
+    """``[path, size, mtime_ns, ctime_ns, inode]`` of the files :func:`file_manifest` hashes — the same walk
+    (symlinked folders are not entered, symlinked files are followed, hidden names skipped), sorted by path,
+    done with ``os.scandir`` because the service runs it on every request for the folder."""
+    entries: list[list] = []
+
+    def walk(folder: str, prefix: str) -> None:
+        with os.scandir(folder) as it:
+            for entry in it:
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    walk(entry.path, f"{prefix}{entry.name}/")
+                elif entry.is_file():
+                    st = entry.stat()
+                    # ctime changes on every write and cannot be set back by utime(), unlike mtime
+                    entries.append([prefix + entry.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+
+    walk(str(directory), "")
+    entries.sort()
+    return entries
+
+
+#: fingerprint → (digest, manifest), in front of the memo files: the service resolves the same folder on every
+#: request for it, and re-reading and re-hashing its manifest would cost more than the fingerprint.
+_MEMO: dict[str, tuple[str, list[dict]]] = {}
 
 
 def _resolve_local(ref: str, cache_root: Path) -> tuple[ResolvedCheckpoint, bool]:
@@ -69,16 +90,24 @@ def _resolve_local(ref: str, cache_root: Path) -> tuple[ResolvedCheckpoint, bool
     if not (path / "config.json").is_file():
         raise CheckpointNotFound(f"{path} has no config.json", field="checkpoint",
                                  fix="point at a Hugging Face format checkpoint directory")
-    memo = cache_root / "local" / (_fingerprint(path).split(":")[1] + ".json")
-    if memo.is_file():
+    fingerprint = _fingerprint(path).split(":")[1]
+    if (known := _MEMO.get(fingerprint)) is not None:
+        return ResolvedCheckpoint(ref, "local", known[0], path, None, known[1]), True
+    memo = cache_root / "local" / (fingerprint + ".json")
+    was_cached = memo.is_file()
+    if was_cached:
         files = json.loads(memo.read_text())
-        return ResolvedCheckpoint(ref, "local", sha256_json({"files": files}), path, None, files), True
-    files = file_manifest(path)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(files))
-    os.replace(tmp, memo)
-    return ResolvedCheckpoint(ref, "local", sha256_json({"files": files}), path, None, files), False
+    else:
+        files = file_manifest(path)
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{uuid.uuid4().hex}.tmp")
+        tmp.write_text(json.dumps(files))
+        os.replace(tmp, memo)
+    digest = sha256_json({"files": files})
+    if len(_MEMO) >= 256:
+        _MEMO.clear()
+    _MEMO[fingerprint] = (digest, files)
+    return ResolvedCheckpoint(ref, "local", digest, path, None, files), was_cached
 
 
 def _resolve_hf(ref: str) -> ResolvedCheckpoint:

@@ -6,6 +6,7 @@ its content digest, never its path."""
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 from kiln.digests import sha256_bytes
@@ -13,6 +14,7 @@ from kiln.errors import SpecError
 
 DATA_DIR = Path(__file__).parent / "data"
 BUILTIN = {"kiln:calibration": "calibration.txt", "kiln:heldout": "heldout.txt"}
+CACHED_MAX_BYTES = 16 << 20  # larger texts are read again each time rather than held in memory
 
 
 def load_text(name: str, *, field: str, roots: list[Path]) -> tuple[str, str]:
@@ -31,6 +33,15 @@ def load_text(name: str, *, field: str, roots: list[Path]) -> tuple[str, str]:
         if path.suffix not in (".txt", ".jsonl") or not path.is_file():
             raise SpecError(f"{path} is not a readable .txt or .jsonl file", field=field,
                             fix="give a UTF-8 .txt file, or .jsonl with a 'text' field per line")
+    st = path.stat()
+    read = _read if st.st_size <= CACHED_MAX_BYTES else _read.__wrapped__
+    return read(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+@lru_cache(maxsize=8)
+def _read(path: Path, size: int, mtime_ns: int, ctime_ns: int, ino: int) -> tuple[str, str]:
+    """Read and hash a dataset once per content: the stat fields in the key (ctime changes on every write and
+    cannot be set back) make a changed file a new entry. Every build request hashes both of its texts."""
     raw = path.read_bytes()
     text = raw.decode("utf-8", errors="replace")
     if path.suffix == ".jsonl":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 DIGEST = String(71)  # "sha256:" + 64 hex
@@ -24,6 +24,8 @@ class Artifact(Base):
     head), revoked (withdrawn by an operator), rejected (failed validation; kept for inspection only)."""
 
     __tablename__ = "artifacts"
+    # resolve's lookup: one variant of one model (workers/resolution.py)
+    __table_args__ = (Index("ix_artifacts_variant", "repository", "precision", "target", "profile", "backend"),)
 
     digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
     build_key: Mapped[str] = mapped_column(DIGEST, unique=True, index=True)
@@ -75,7 +77,7 @@ class Build(Base):
     status: Mapped[str] = mapped_column(String(16), index=True)
     stage: Mapped[str | None] = mapped_column(String(16), nullable=True)
     stages: Mapped[list] = mapped_column(JSON, default=list)
-    digest: Mapped[str | None] = mapped_column(DIGEST, nullable=True)
+    digest: Mapped[str | None] = mapped_column(DIGEST, nullable=True, index=True)  # the producer of an engine
     error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -59,7 +59,7 @@ class Settings(BaseSettings):
         """Stage cache: quantized checkpoints and compiled engines, keyed by their stage keys."""
         return self.home_dir / "cache"
 
-    @property
+    @cached_property
     def roots(self) -> list[Path]:
         raw = self.checkpoint_roots or os.getcwd()
         return [_expand(Path(p)) for p in raw.split(os.pathsep) if p]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+from functools import lru_cache
 from importlib import metadata
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,14 @@ def cpu_capability() -> str:
 
 
 def toolchain_for(backend: str, target: str) -> dict[str, str]:
-    """Versions that can change the bytes of a ``backend`` build for ``target``."""
+    """Versions that can change the bytes of a ``backend`` build for ``target`` (a copy: callers may change it)."""
+    return dict(_toolchain_for(backend, target))
+
+
+@lru_cache(maxsize=64)
+def _toolchain_for(backend: str, target: str) -> dict[str, str]:
+    """Read once per process: each metadata lookup scans every installed distribution (milliseconds), and the
+    libraries a process has loaded cannot change under it."""
     import torch
 
     tc = {

@@ -19,7 +19,7 @@ def _aware(ts: datetime) -> datetime:
     return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)  # SQLite returns naive datetimes
 
 
-def is_live(worker: Worker, now: datetime | None = None) -> bool:
+def is_live(worker, now: datetime | None = None) -> bool:
     now = now or datetime.now(timezone.utc)
     return _aware(worker.last_heartbeat) >= now - timedelta(seconds=LIVE_WINDOW_S)
 
@@ -42,14 +42,17 @@ def heartbeat(session: Session, name: str) -> None:
         session.commit()
 
 
-def workers_for(session: Session, queue: str) -> tuple[list[Worker], list[Worker]]:
-    """(live, all) workers that consume ``queue``."""
-    rows = [w for w in session.scalars(select(Worker)) if queue in (w.queues or [])]
+def workers_for(workers: Session | list, queue: str) -> tuple[list, list]:
+    """(live, all) workers that consume ``queue``, from a session or from rows already read (Worker objects or
+    rows with ``queues`` and ``last_heartbeat``)."""
+    if isinstance(workers, Session):
+        workers = workers.scalars(select(Worker)).all()
+    rows = [w for w in workers if queue in (w.queues or [])]
     return [w for w in rows if is_live(w)], rows
 
 
-def waiting_reason(session: Session, queue: str, backend: str, target: str) -> str:
-    live, _ = workers_for(session, queue)
+def waiting_reason(workers: Session | list, queue: str, backend: str, target: str) -> str:
+    live, _ = workers_for(workers, queue)
     if not live:
         return (f"waiting for a worker that builds {backend} engines for {target} (queue {queue}); "
                 "no such worker is live")

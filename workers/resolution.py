@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import Connection, and_, bindparam, case, literal, select
 from sqlalchemy.orm import Session
 
 from kiln.errors import SpecError
@@ -14,9 +14,25 @@ from kiln.models import Artifact, Build, TrackedModel
 from kiln.spec import BACKENDS, PRECISIONS, normalize_target
 
 
+@dataclass(frozen=True)
+class Servable:
+    """The engine resolve answers with: what a deployer needs to pull it, and what it was built from."""
+
+    digest: str
+    repository: str
+    tag: str
+    status: str
+    precision: str
+    profile: str
+    target: str
+    backend: str
+    checkpoint_revision: str | None
+    provenance: dict
+
+
 @dataclass
 class Resolution:
-    artifact: Artifact | None
+    artifact: Servable | None
     status: int  # 200, 404 (nothing servable), 409 (something exists but must not be served)
     code: str
     reason: str
@@ -35,14 +51,36 @@ def parse_runtime(runtime: str | None) -> dict[str, str]:
     return out
 
 
-def incompatibility(artifact: Artifact, runtime: dict[str, str]) -> str | None:
+def incompatibility(provenance: dict | None, runtime: dict[str, str]) -> str | None:
     """Engines load only on the exact toolchain that built them (TensorRT plan files check the version)."""
-    tc = (artifact.provenance or {}).get("toolchain", {})
+    tc = (provenance or {}).get("toolchain", {})
     bad = [f"{k} {tc.get(k, 'absent')} (asked {v})" for k, v in runtime.items() if tc.get(k) != v]
     return "built with " + ", ".join(bad) if bad else None
 
 
-def resolve_engine(session: Session, *, model: str, precision: str, profile: str, target: str, backend: str,
+def _variant_statement():
+    """One statement (one round trip, one snapshot): whether the model is tracked, its head, and the engines of
+    one variant, newest first. Provenance is read for fresh engines only and the validation report not at all:
+    a model can have many stale engines, and resolve is the hottest read of the service. Built once, with
+    bound parameters (building a statement costs more than running it)."""
+    a, m = Artifact.__table__, TrackedModel.__table__
+    model = bindparam("model")
+    variant = and_(a.c.repository == model, a.c.precision == bindparam("precision"),
+                   a.c.profile == bindparam("profile"), a.c.target == bindparam("target"),
+                   a.c.backend == bindparam("backend"))
+    anchor = select(literal(1).label("one")).subquery()  # one row, so that an unknown model still answers
+    return (select(m.c.name, m.c.head_sha, a.c.digest, a.c.tag, a.c.status, a.c.checkpoint_revision,
+                   case((a.c.status == "fresh", a.c.provenance)).label("provenance"))
+            .select_from(anchor.outerjoin(m, m.c.name == model).outerjoin(a, variant))
+            .order_by(a.c.created_at.desc()))
+
+
+VARIANT = _variant_statement()
+BUILDING = (select(Build.__table__.c.id, Build.__table__.c.status, Build.__table__.c.spec)
+            .where(Build.__table__.c.status.in_(("queued", "running"))))
+
+
+def resolve_engine(session: Session | Connection, *, model: str, precision: str, profile: str, target: str, backend: str,
                    runtime: str | None = None) -> Resolution:
     if precision not in PRECISIONS:
         raise SpecError(f"{precision!r} is not a precision", field="precision", fix=f"use one of {', '.join(PRECISIONS)}")
@@ -52,21 +90,22 @@ def resolve_engine(session: Session, *, model: str, precision: str, profile: str
     if err:
         raise SpecError(err["message"], field="target", fix=err["fix"])
     wanted = parse_runtime(runtime)
-    tracked = session.get(TrackedModel, model)
-    head = tracked.head_sha if tracked else None
-    rows = session.scalars(select(Artifact).where(
-        Artifact.repository == model, Artifact.precision == precision, Artifact.profile == profile,
-        Artifact.target == canonical, Artifact.backend == backend).order_by(Artifact.created_at.desc())).all()
-    what = f"{model} {precision} {profile} {canonical} {backend}"
-    building = _building(session, model, precision, canonical, backend, profile)
+    rows = session.execute(VARIANT, {"model": model, "precision": precision, "profile": profile,
+                                     "target": canonical, "backend": backend}).all()
+    tracked, head = rows[0].name is not None, rows[0].head_sha
+    rows = [r for r in rows if r.digest is not None]
     fresh = [a for a in rows if a.status == "fresh" and (head is None or a.checkpoint_revision == head)]
-    compatible = [a for a in fresh if incompatibility(a, wanted) is None]
+    compatible = [a for a in fresh if incompatibility(a.provenance, wanted) is None]
     if compatible:
-        return Resolution(compatible[0], 200, "ok", "fresh")
+        a = compatible[0]
+        return Resolution(Servable(a.digest, model, a.tag, a.status, precision, profile, canonical, backend,
+                                   a.checkpoint_revision, a.provenance or {}), 200, "ok", "fresh")
+    what = f"{model} {precision} {profile} {canonical} {backend}"
     if fresh:
         return Resolution(None, 409, "incompatible_runtime",
                           f"fresh engines for {what} exist but none loads on {runtime}: "
-                          + "; ".join(f"{a.digest[:19]}… {incompatibility(a, wanted)}" for a in fresh[:3]))
+                          + "; ".join(f"{a.digest[:19]}… {incompatibility(a.provenance, wanted)}" for a in fresh[:3]))
+    building = _building(session, model, precision, canonical, backend, profile)
     if any(a.status in ("fresh", "stale") for a in rows):
         why = f"only stale engines for {what} (the head is {head})" if head else f"only stale engines for {what}"
         at_head = sorted({a.status for a in rows if head and a.checkpoint_revision == head} - {"stale"})
@@ -82,8 +121,9 @@ def resolve_engine(session: Session, *, model: str, precision: str, profile: str
                       + ("" if tracked else f"; model {model!r} is not tracked"))
 
 
-def _building(session: Session, model: str, precision: str, target: str, backend: str, profile: str) -> str | None:
-    for b in session.scalars(select(Build).where(Build.status.in_(("queued", "running")))):
+def _building(session: Session | Connection, model: str, precision: str, target: str, backend: str,
+              profile: str) -> str | None:
+    for b in session.execute(BUILDING):
         s = b.spec or {}
         if (s.get("model_name"), s.get("precision"), s.get("target"), s.get("backend"),
                 (s.get("profile") or {}).get("name")) == (model, precision, target, backend, profile):

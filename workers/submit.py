@@ -8,17 +8,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from builder.pipeline import Builder
 from kiln.keys import build_key
-from kiln.models import Artifact, Build
+from kiln.models import Artifact, Build, Worker
 from kiln.settings import Settings
 from kiln.spec import BuildSpec
 from workers.capabilities import queue_name, routing_queues
-from workers.registry import waiting_reason, workers_for
+from workers.registry import is_live, waiting_reason, workers_for
 
 Enqueue = Callable[[str, str], None]
 
@@ -30,41 +30,46 @@ class Submitted:
     artifact: Artifact | None = None
 
 
-def candidate_keys(session: Session, prepared, queue: str) -> set[str]:
+def candidate_keys(workers: list, prepared, queue: str) -> set[str]:
     """BuildKeys the workers serving ``queue`` would compute (live ones first, else any known, else ours)."""
-    live, known = workers_for(session, queue)
+    live, known = workers_for(workers, queue)
     toolchains = [w.capabilities.get("toolchains", {}).get(queue) for w in (live or known)]
     keys = {build_key(prepared.resolved.digest, prepared.spec, tc, prepared.gates, prepared.data)
             for tc in toolchains if tc}
     return keys or {prepared.build_key}
 
 
-def choose_queue(session: Session, spec: BuildSpec) -> str:
+def choose_queue(workers: list, spec: BuildSpec) -> str:
     """The queue for ``spec``: for TensorRT-LLM engines the newest versioned queue (toolchain in the name) that
     a worker serves, else the generic queue, where the build waits for a capable worker."""
-    from kiln.models import Worker
-    from workers.registry import is_live
-
-    rows = session.scalars(select(Worker)).all()
-    advertised = {q for w in ([w for w in rows if is_live(w)] or rows) for q in (w.queues or [])}
+    advertised = {q for w in ([w for w in workers if is_live(w)] or workers) for q in (w.queues or [])}
     candidates = routing_queues(spec.backend, spec.target, spec.tp_size, advertised)
     return candidates[0] if candidates else queue_name(spec.backend, spec.target, tp_size=spec.tp_size)
 
 
-def submit(settings: Settings, sessions: sessionmaker[Session], spec: BuildSpec, enqueue: Enqueue) -> Submitted:
+#: What routing and dedupe need of the workers (plain rows, not ORM objects: read on every request).
+WORKERS = select(Worker.name, Worker.queues, Worker.capabilities, Worker.last_heartbeat)
+#: The newest engine with one of the BuildKeys, and the first build that produced it (one statement).
+EXISTING = (select(Artifact, Build).outerjoin(Build, Build.digest == Artifact.digest)
+            .where(Artifact.build_key.in_(bindparam("keys", expanding=True)), Artifact.status != "revoked")
+            .order_by(Artifact.created_at.desc(), Build.created_at).limit(1))
+
+
+def submit(settings: Settings, sessions: sessionmaker[Session], spec: BuildSpec, enqueue: Enqueue, *,
+           reads: sessionmaker[Session] | None = None) -> Submitted:
+    """``reads``: sessions for the lookups, on autocommit connections where the caller has them (the API: an
+    identical request is answered by two statements and no transaction)."""
     prepared, _ = Builder(settings, None, sessions).prepare(spec, check_environment=False)
+    with (reads or sessions)() as session:
+        workers = session.execute(WORKERS).all()
+        queue = choose_queue(workers, spec)
+        found = session.execute(EXISTING, {"keys": sorted(candidate_keys(workers, prepared, queue))}).first()
+        if found is not None:
+            return Submitted("existing-artifact", found.Build, found.Artifact)
+    build = Build(id=uuid.uuid4().hex, request_key=prepared.request_key, active_key=prepared.request_key,
+                  spec=spec.model_dump(), queue=queue, status="queued", stages=[], attempts=0,
+                  cancel_requested=False, reason=waiting_reason(workers, queue, spec.backend, spec.target))
     with sessions() as session:
-        queue = choose_queue(session, spec)
-        keys = candidate_keys(session, prepared, queue)
-        artifact = session.scalars(select(Artifact).where(Artifact.build_key.in_(keys), Artifact.status != "revoked")
-                                   .order_by(Artifact.created_at.desc())).first()
-        if artifact is not None:
-            producer = session.scalars(select(Build).where(Build.digest == artifact.digest)
-                                       .order_by(Build.created_at)).first()
-            return Submitted("existing-artifact", producer, artifact)
-        build = Build(id=uuid.uuid4().hex, request_key=prepared.request_key, active_key=prepared.request_key,
-                      spec=spec.model_dump(), queue=queue, status="queued", stages=[], attempts=0,
-                      cancel_requested=False, reason=waiting_reason(session, queue, spec.backend, spec.target))
         session.add(build)
         try:
             session.commit()

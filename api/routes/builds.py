@@ -59,7 +59,7 @@ def create_builds(request: Request, settings: SettingsDep, sessions: SessionsDep
     specs = _specs(body, settings.roots)
     answers, created = [], False
     for spec in specs:
-        result = submit(settings, sessions, spec, request.app.state.enqueue)
+        result = submit(settings, sessions, spec, request.app.state.enqueue, reads=request.app.state.read_sessions)
         created |= result.outcome == "created"
         if result.outcome == "existing-artifact":
             answers.append(artifact_answer(result.artifact, result.build))

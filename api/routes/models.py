@@ -8,13 +8,14 @@ from typing import Any
 from fastapi import APIRouter, Body, Header, Query, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
 
 from api.deps import SessionDep, SessionsDep, SettingsDep
 from api.schemas import artifact_answer, build_read
 from kiln.errors import SpecError
 from kiln.models import TrackedModel
 from workers.freshness import models_for_webhook, refresh_model, register_model, webhook_secret_ok
-from workers.resolution import resolve_engine
+from workers.resolution import Resolution, resolve_engine
 
 router = APIRouter(tags=["models"])
 MAX_WEBHOOK_BYTES = 1 << 20
@@ -76,8 +77,6 @@ async def huggingface_webhook(request: Request, settings: SettingsDep, sessions:
         payload = json.loads(raw)
     except ValueError:
         raise SpecError("the body is not JSON", field="body", fix="send the Hub's JSON payload") from None
-    from starlette.concurrency import run_in_threadpool
-
     names = models_for_webhook(sessions, payload)
     results = []
     for name in names:
@@ -88,16 +87,23 @@ async def huggingface_webhook(request: Request, settings: SettingsDep, sessions:
 
 
 @router.get("/v1/resolve")
-def resolve(session: SessionDep, model: str = Query(..., max_length=255), precision: str = Query(..., max_length=16),
-            profile: str = Query(..., max_length=64), target: str = Query(..., max_length=32),
-            backend: str = Query(..., max_length=32), runtime: str | None = Query(None, max_length=255)):
+async def resolve(request: Request, model: str = Query(..., max_length=255), precision: str = Query(..., max_length=16),
+                  profile: str = Query(..., max_length=64), target: str = Query(..., max_length=32),
+                  backend: str = Query(..., max_length=32), runtime: str | None = Query(None, max_length=255)):
     """Exactly one servable engine for (model, precision, profile, target, backend[, runtime]), or why not."""
-    r = resolve_engine(session, model=model, precision=precision, profile=profile, target=target, backend=backend,
-                       runtime=runtime)
+    # The hottest read of the service: one hop to a thread for the whole lookup (a session dependency would
+    # cost two more), on an autocommit connection (one statement, no BEGIN/ROLLBACK round trips).
+    r = await run_in_threadpool(_resolve, request.app.state.read_engine, model=model, precision=precision,
+                                profile=profile, target=target, backend=backend, runtime=runtime)
     if r.artifact is None:
         return JSONResponse({"error": {"code": r.code, "message": r.reason, "field": "model",
                                        "fix": "wait for the build, or register/refresh the model"}},
                             status_code=r.status)
     a = r.artifact
-    return {"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status,
-            "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance}
+    return JSONResponse({"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status,
+                         "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance})
+
+
+def _resolve(read_engine, **query) -> Resolution:
+    with read_engine.connect() as conn:
+        return resolve_engine(conn, **query)

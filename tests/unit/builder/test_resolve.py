@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.resolve import file_manifest, read_model_config, resolve_checkpoint
+from builder.resolve import file_manifest, read_model_config, resolve_checkpoint, stat_entries
 from kiln.digests import DIGEST_RE, sha256_json
 from kiln.errors import CheckpointNotFound
 
@@ -162,6 +162,31 @@ def test_same_size_in_place_rewrite_with_unchanged_mtime_is_detected(ckpt, cache
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     again, cached = resolve(ckpt, cache)
     assert again.digest != first.digest
+
+
+def test_the_memo_fingerprint_walks_exactly_the_files_the_manifest_hashes(ckpt, tmp_path):
+    (ckpt / "nested" / "deeper").mkdir(parents=True)
+    (ckpt / "nested" / "deeper" / "w.bin").write_bytes(b"w")
+    (ckpt / "nested" / ".cache").mkdir()
+    (ckpt / "nested" / ".cache" / "x").write_bytes(b"x")
+    (ckpt / ".hidden-file").write_bytes(b"h")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "o.bin").write_bytes(b"o")
+    (ckpt / "linked-dir").symlink_to(outside)  # not entered, by either walk
+    (ckpt / "linked-file").symlink_to(ckpt / "config.json")  # followed, by both
+    paths = [e[0] for e in stat_entries(ckpt)]
+    assert paths == sorted(f["path"] for f in file_manifest(ckpt))
+    assert "nested/deeper/w.bin" in paths and "linked-file" in paths and "linked-dir/o.bin" not in paths
+
+
+def test_a_change_in_a_nested_folder_invalidates_the_memo(ckpt, cache):
+    (ckpt / "sub").mkdir()
+    (ckpt / "sub" / "w.bin").write_bytes(b"1")
+    first, _ = resolve(ckpt, cache)
+    (ckpt / "sub" / "w.bin").write_bytes(b"2")
+    again, cached = resolve(ckpt, cache)
+    assert not cached and again.digest != first.digest
 
 
 # -- hf:// against a real local Hub cache ----------------------------------------------------------
