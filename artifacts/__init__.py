@@ -26,8 +26,8 @@ from artifacts.oci import (
     push_referrer,
     read_config,
     read_manifest,
-    write_tar,
 )
+from artifacts.tarball import write_tar
 
 if TYPE_CHECKING:
     from artifacts.s3 import S3BlobStore

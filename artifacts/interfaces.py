@@ -29,12 +29,12 @@ import abc
 import hashlib
 import io
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from kiln.digests import parse_digest, sha256_bytes, sha256_file
+from kiln.digests import CHUNK, parse_digest, sha256_bytes
 from kiln.errors import BlobUnknown, DigestMismatch, StorageUnavailable
 
 
@@ -63,17 +63,27 @@ class BlobStore(abc.ABC):
         blob already exists.
         """
 
-    def put_file(self, path: Path) -> BlobInfo:
-        """Store the file at ``path``.
+    def put_source(self, open_source: Callable[[], BinaryIO]) -> BlobInfo:
+        """Store the bytes of a source that can be opened and read more than once, giving the same bytes
+        each time: a file, or an engine directory's tar made as it is read.
 
-        The file is hashed first (a local read is cheap next to an upload) so that a blob already
-        in the store is never sent again; it is then streamed through :meth:`put_stream`, which
-        hashes again in the same pass as the upload, so a file that changed in between is refused
-        with :class:`DigestMismatch`. Errors opening ``path`` itself propagate as ``OSError``.
+        The source is read once to learn its digest (a local read is cheap next to an upload), so that a
+        blob already in the store is never sent again, and once more as the upload, which is checked
+        against the first read: a source that changed in between is refused with
+        :class:`DigestMismatch` and nothing is committed. Here the check is :meth:`put_stream`'s
+        (the second read hashed again); a backend may check more cheaply. Errors of the source itself
+        propagate unchanged.
         """
-        digest, _ = sha256_file(path)
-        with open(path, "rb") as f:
-            return self.put_stream(f, expected_digest=digest)
+        hasher = hashlib.sha256()
+        with open_source() as f:
+            for chunk in iter(lambda: f.read(CHUNK), b""):
+                hasher.update(chunk)
+        with open_source() as f:
+            return self.put_stream(f, expected_digest="sha256:" + hasher.hexdigest())
+
+    def put_file(self, path: Path) -> BlobInfo:
+        """Store the file at ``path`` (:meth:`put_source`). Errors opening it propagate as ``OSError``."""
+        return self.put_source(lambda: open(path, "rb"))
 
     def put_bytes(self, data: bytes) -> BlobInfo:
         """Store ``data``; a no-op (but for one existence check) when it is already stored."""

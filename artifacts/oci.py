@@ -8,7 +8,7 @@ and discover them through the registry's ``/v2`` API.
 
 Blobs are written children first (layers, then config, then manifest), so a manifest never names
 a missing blob. Manifests and configs are canonical JSON (sorted keys, no whitespace), so equal
-inputs give equal digests; :func:`write_tar` makes equal directories give equal layers.
+inputs give equal digests; :func:`~artifacts.tarball.tar_chunks` makes equal directories give equal layers.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from artifacts.interfaces import BlobInfo, BlobStore
-from artifacts.tarball import HashingReader, unpack_tar, write_tar
+from artifacts.tarball import ChunkReader, HashingReader, tar_chunks, unpack_tar
 from kiln.digests import canonical_json, parse_digest, sha256_bytes
 from kiln.errors import DigestMismatch, StorageUnavailable
 
@@ -77,13 +77,12 @@ def push_engine_image(
 
     ``labels`` go into the image config (``config.Labels``, what ``docker inspect`` shows);
     ``annotations`` into the manifest. ``created`` defaults to the epoch so that the digest depends
-    on content only. The layer tar is staged in the system temp directory (``TMPDIR``).
+    on content only. The layer tar is never written out: the store reads it twice as it is made from the
+    engine files (:meth:`~artifacts.interfaces.BlobStore.put_source`), once to learn its digest (the key,
+    needed before an upload can start) and once as the upload, checked against the first read.
     """
-    with tempfile.TemporaryDirectory(prefix="kiln-layer-") as tmp:
-        tar_path = Path(tmp) / "layer.tar"
-        digest = write_tar(engine_dir, tar_path)  # hashed while written: one read pass fewer on upload
-        with open(tar_path, "rb") as f:
-            layer = store.put_stream(f, expected_digest=digest)
+    tar_chunks(engine_dir)  # refuses a symlink or a special file before the store is touched
+    layer = store.put_source(lambda: ChunkReader(tar_chunks(engine_dir)))
     config = {
         "created": created,
         "architecture": "amd64",

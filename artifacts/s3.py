@@ -2,11 +2,14 @@
 
 How a write is staged depends on what is known before the bytes move:
 
-* **Digest known** (``put_file``, ``put_bytes``, ``put_stream(expected_digest=...)``): after a
+* **Digest known** (``put_bytes``, ``put_stream(expected_digest=...)``): after a
   HEAD says the blob is absent, the bytes go straight to the final key: one PUT up to
   :data:`PART_SIZE`, a multipart upload above it. A multipart upload is invisible until it is
   completed, and it is completed only if the bytes, hashed in the same pass, match the digest; so
   large files need no staging key and no server-side copy.
+* **A source read twice** (``put_source``, ``put_file``: engine layers): the first read yields the
+  digest and each part's CRC32; the upload goes straight to the final key as above, each part
+  checked against its first read rather than the whole stream hashed again.
 * **Digest unknown** (a plain ``put_stream``): up to :data:`PART_SIZE` the bytes are hashed in
   memory (that buffer is the staged copy) and PUT as above. A larger stream goes up as a
   multipart upload to a staging key under ``uploads/``; once hashed, an existing blob means the
@@ -14,15 +17,16 @@ How a write is staged depends on what is known before the bytes move:
   above 5 GiB, the CopyObject limit) and the staging key deleted.
 
 Creating a final key is conditional (``If-None-Match: *``); a 412 means another writer committed
-the same bytes first, which is success. Every part and single PUT carries its SHA-256 checksum,
-so S3 refuses bytes damaged in transit. Retries are botocore's (standard mode), not a loop here.
+the same bytes first, which is success. Every single PUT carries its SHA-256 checksum and every
+multipart part its CRC32, so S3 refuses bytes damaged in transit. Retries are botocore's (standard
+mode), not a loop here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 import boto3
@@ -31,7 +35,9 @@ from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumErro
 
 from artifacts import paths
 from artifacts.interfaces import BlobInfo, BlobStore, check_expected, check_range
-from artifacts.s3_multipart import b64_sha256, copy_in_parts, is_precondition_failed, upload_in_parts
+from artifacts.s3_multipart import (
+    SourceChanged, b64_crc32, b64_sha256, copy_in_parts, is_precondition_failed, upload_in_parts,
+)
 from kiln.digests import CHUNK, parse_digest
 from kiln.errors import BlobUnknown, DigestMismatch, StorageUnavailable
 
@@ -102,6 +108,31 @@ class S3BlobStore(BlobStore):
             return self._put_small(first, expected_digest)
         parts = _parts((first, second), stream, self.part_size)
         return self._put_staged(parts) if expected_digest is None else self._put_known(parts, expected_digest)
+
+    def put_source(self, open_source: Callable[[], BinaryIO]) -> BlobInfo:
+        """The first read hashes the source (SHA-256: its digest) and takes each part's CRC32; the upload
+        (the second read) sends each part with that CRC32 after checking it against the first read's, so
+        the stored bytes are the ones the digest names without hashing them with SHA-256 a second time."""
+        hasher, crcs, size = hashlib.sha256(), [], 0
+        with open_source() as f:
+            while part := _read_full(f, self.part_size):
+                hasher.update(part)
+                crcs.append(b64_crc32(part))
+                size += len(part)
+        digest = "sha256:" + hasher.hexdigest()
+        if size <= self.part_size:  # one PUT, which hashes its bytes again anyway
+            with open_source() as f:
+                return self.put_stream(f, expected_digest=digest)
+        if existing := self._existing(digest):
+            return existing
+        with open_source() as f, s3_errors(f"store {digest}"):
+            try:
+                upload_in_parts(self._client, self.bucket, self._blob_key(digest), _parts((), f, self.part_size),
+                                lambda _: True, create_only=True, expected_crcs=crcs)
+            except SourceChanged as e:
+                raise DigestMismatch(f"the source of {digest} changed while it was stored ({e}); "
+                                     "nothing was stored") from None
+        return BlobInfo(digest, size)
 
     def _put_known(self, parts: Iterator[bytes], digest: str) -> BlobInfo:
         """Multipart upload straight to the final key, completed only if the bytes match."""
@@ -203,13 +234,27 @@ class S3BlobStore(BlobStore):
             )
 
 
-def _read_full(stream: BinaryIO, size: int) -> bytes:
+def _read_full(stream: BinaryIO, size: int) -> bytearray:
     """Read ``size`` bytes, or fewer only at EOF (``read`` may return less on pipes and sockets);
-    multipart parts other than the last must be full."""
-    buf = bytearray()
-    while len(buf) < size and (chunk := stream.read(size - len(buf))):
-        buf += chunk
-    return bytes(buf)
+    multipart parts other than the last must be full. Read into one buffer (one copy of the bytes,
+    not three: engines are gigabytes)."""
+    buf = bytearray(size)
+    view, n = memoryview(buf), 0
+    readinto = getattr(stream, "readinto", None)
+    while n < size:
+        if readinto is not None:
+            got = readinto(view[n:])
+        else:
+            chunk = stream.read(size - n)
+            view[n : n + len(chunk)] = chunk
+            got = len(chunk)
+        if not got:
+            break
+        n += got
+    view.release()
+    if n < size:
+        del buf[n:]
+    return buf
 
 
 def _parts(head: tuple[bytes, ...], stream: BinaryIO, part_size: int) -> Iterator[bytes]:

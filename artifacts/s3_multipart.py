@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable
@@ -23,6 +24,11 @@ def b64_sha256(data: bytes) -> str:
     return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
+def b64_crc32(data: bytes) -> str:
+    """The ``x-amz-checksum-crc32`` value of ``data`` (what boto3 sends by default)."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
 def is_precondition_failed(error: ClientError) -> bool:
     return error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
 
@@ -30,38 +36,53 @@ def is_precondition_failed(error: ClientError) -> bool:
 UPLOAD_THREADS = 8
 
 
-def _upload_part(client: Any, bucket: str, key: str, upload_id: str, number: int, data: bytes) -> dict:
-    checksum = b64_sha256(data)
+def _upload_part(client: Any, bucket: str, key: str, upload_id: str, number: int, data: bytes, checksum: str) -> dict:
     answer = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data,
-                                ChecksumSHA256=checksum)
-    return {"ETag": answer["ETag"], "PartNumber": number, "ChecksumSHA256": checksum}
+                                ChecksumCRC32=checksum)
+    return {"ETag": answer["ETag"], "PartNumber": number, "ChecksumCRC32": checksum}
+
+
+class SourceChanged(Exception):
+    """A part read for the upload differs from the same part read before (``expected_crcs``)."""
 
 
 def upload_in_parts(
-    client: Any, bucket: str, key: str, parts: Iterable[bytes], decide: Callable[[str], bool], *, create_only: bool
-) -> tuple[str, int, bool]:
+    client: Any, bucket: str, key: str, parts: Iterable[bytes], decide: Callable[[str | None], bool], *,
+    create_only: bool, expected_crcs: list[str] | None = None,
+) -> tuple[str | None, int, bool]:
     """Upload ``parts`` as one multipart upload to ``key``, hashing them in the same pass.
 
-    Once every part is up, ``decide(digest)`` says whether to complete (True) or abort (False);
-    it may also raise, which aborts. With ``create_only`` the completion is conditional
-    (``If-None-Match: *``) and a 412 (the key exists already) counts as success.
-    Returns ``(digest, size, completed)``.
+    Every part carries its CRC32, which S3 checks: CRC32 guards a part against damage in transit as
+    well as SHA-256 would, at half the CPU. Without ``expected_crcs`` the whole stream is hashed with
+    SHA-256 on the way; once every part is up, ``decide(digest)`` says whether to complete (True) or
+    abort (False), and may raise, which aborts. With ``expected_crcs`` (the parts' CRC32s from an
+    earlier read whose SHA-256 the caller knows) each part is checked against its earlier self instead
+    — :class:`SourceChanged`, and the upload aborted, if one differs — and ``decide`` gets None.
+    With ``create_only`` the completion is conditional (``If-None-Match: *``) and a 412 (the key
+    exists already) counts as success. Returns ``(digest or None, size, completed)``.
     """
-    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256")["UploadId"]
-    hasher, size, done = hashlib.sha256(), 0, []
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32")["UploadId"]
+    hasher = hashlib.sha256() if expected_crcs is None else None
+    size, count, done = 0, 0, []
     try:
-        # Parts go up on a few threads (boto3 clients are thread-safe) while this thread reads and hashes the
+        # Parts go up on a few threads (boto3 clients are thread-safe) while this thread reads and checks the
         # next ones; at most 2 × UPLOAD_THREADS parts are held in memory.
         with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
             pending: deque = deque()
-            for number, data in enumerate(parts, start=1):
-                hasher.update(data)
+            for count, data in enumerate(parts, start=1):
+                crc = b64_crc32(data)
+                if hasher is not None:
+                    hasher.update(data)
+                elif count > len(expected_crcs) or crc != expected_crcs[count - 1]:
+                    raise SourceChanged(f"part {count} differs from the first read")
                 size += len(data)
-                pending.append(pool.submit(_upload_part, client, bucket, key, upload_id, number, data))
+                pending.append(pool.submit(_upload_part, client, bucket, key, upload_id, count, data, crc))
                 if len(pending) >= 2 * UPLOAD_THREADS:
                     done.append(pending.popleft().result())
             done += [f.result() for f in pending]
-        digest = "sha256:" + hasher.hexdigest()
+        if expected_crcs is not None and count != len(expected_crcs):
+            raise SourceChanged(f"{count} parts where the first read had {len(expected_crcs)}")
+        digest = "sha256:" + hasher.hexdigest() if hasher is not None else None
         if not decide(digest):
             _abort(client, bucket, key, upload_id)
             return digest, size, False

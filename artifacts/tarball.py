@@ -1,8 +1,9 @@
 """Deterministic tar layers and their safe unpacking.
 
-``write_tar`` makes the same bytes from the same directory content on any machine, at any time,
-as any user: entries in sorted order, mtime 0, owner 0:0 with empty names, modes normalised to
-0644/0755, PAX format. That is what makes an engine image's digest a function of its files.
+``tar_chunks`` (and ``write_tar``, which writes them to a file) makes the same bytes from the same
+directory content on any machine, at any time, as any user: entries in sorted order, mtime 0, owner
+0:0 with empty names, modes normalised to 0644/0755, PAX format. That is what makes an engine
+image's digest a function of its files.
 
 ``unpack_tar`` trusts nothing in the archive. It reads the tar as a stream (so a layer is hashed
 while it is unpacked) and writes every file itself: only regular files and directories, with
@@ -25,47 +26,60 @@ from typing import BinaryIO
 _BUFSIZE = 1 << 20
 
 
-class _HashingWriter:
-    """A file wrapper that hashes what is written through it (the tar's digest in the same pass)."""
-
-    def __init__(self, f):
-        self.f, self.h = f, hashlib.sha256()
-
-    def write(self, data: bytes) -> int:
-        self.h.update(data)
-        return self.f.write(data)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-
 def write_tar(src_dir: Path, dest: Path) -> str:
     """Write a deterministic, uncompressed tar of ``src_dir``'s content (not the directory itself)
     to ``dest`` and return its digest. Refuses symlinks and anything else that is not a regular file
     or a directory."""
+    hasher = hashlib.sha256()
+    chunks = tar_chunks(src_dir)  # refuses before anything is written
+    with open(dest, "wb") as out:
+        for chunk in chunks:
+            hasher.update(chunk)
+            out.write(chunk)
+    return "sha256:" + hasher.hexdigest()
+
+
+def tar_chunks(src_dir: Path) -> Iterator[bytes]:
+    """The bytes of the deterministic tar of ``src_dir``'s content, in pieces of at most 1 MiB, made as they
+    are read: what ``tarfile`` writes for the same entries (PAX headers from ``TarInfo.tobuf``, data padded to
+    512-byte blocks, two zero blocks, the record padded to 10240 bytes), without writing the archive to disk.
+    The directory is walked (and anything not a regular file or a directory refused) before the first byte;
+    a file that changes size meanwhile raises ``OSError``."""
     src_dir = Path(src_dir)
     if not src_dir.is_dir():
         raise NotADirectoryError(f"{src_dir} is not a directory")
-    entries = list(_walk(src_dir, ""))  # refuse before writing anything
-    with open(dest, "wb") as raw:
-        out = _HashingWriter(raw)
-        _write_entries(out, entries)
-    return "sha256:" + out.h.hexdigest()
+    return _tar_chunks(list(_walk(src_dir, "")))
 
 
-def _write_entries(out, entries) -> None:
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, path, st in entries:
-            info = tarfile.TarInfo(name)
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            if stat.S_ISDIR(st.st_mode):
-                info.type, info.mode = tarfile.DIRTYPE, 0o755
-                tar.addfile(info)
-            else:
-                info.mode = 0o755 if st.st_mode & stat.S_IXUSR else 0o644
-                info.size = st.st_size
-                with open(path, "rb") as f:
-                    tar.addfile(info, f)
+def _tar_chunks(entries) -> Iterator[bytes]:
+    offset = 0
+    for name, path, st in entries:
+        info = tarfile.TarInfo(name)
+        info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+        if stat.S_ISDIR(st.st_mode):
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+        else:
+            info.mode = 0o755 if st.st_mode & stat.S_IXUSR else 0o644
+            info.size = st.st_size
+        header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+        yield header
+        offset += len(header)
+        if info.isreg():
+            left = info.size
+            with open(path, "rb") as f:
+                while left:
+                    chunk = f.read(min(_BUFSIZE, left))
+                    if not chunk:
+                        raise OSError(f"{path} shrank while it was packed")
+                    left -= len(chunk)
+                    yield chunk
+                if f.read(1):
+                    raise OSError(f"{path} grew while it was packed")
+            if pad := -info.size % tarfile.BLOCKSIZE:
+                yield tarfile.NUL * pad
+            offset += info.size + pad
+    end = tarfile.BLOCKSIZE * 2
+    yield tarfile.NUL * (end + -(offset + end) % tarfile.RECORDSIZE)
 
 
 def _walk(directory: Path, prefix: str) -> Iterator[tuple[str, Path, os.stat_result]]:
@@ -83,15 +97,12 @@ def _walk(directory: Path, prefix: str) -> Iterator[tuple[str, Path, os.stat_res
             raise ValueError(f"refusing to pack {path}: it is {kind}")
 
 
-class HashingReader(io.RawIOBase):
-    """A read-only file over an iterator of chunks that hashes every byte it fetches, so a layer is
-    verified in the same pass that unpacks it. :meth:`drain` hashes whatever was not read."""
+class ChunkReader(io.RawIOBase):
+    """A read-only file over an iterator of chunks (a blob read from a store, a tar being made)."""
 
     def __init__(self, chunks: Iterable[bytes]) -> None:
         self._chunks = iter(chunks)
         self._buf = memoryview(b"")
-        self.hasher = hashlib.sha256()
-        self.size = 0
 
     def readable(self) -> bool:
         return True
@@ -106,6 +117,19 @@ class HashingReader(io.RawIOBase):
         b[:n] = self._buf[:n]
         self._buf = self._buf[n:]
         return n
+
+    def _take(self, chunk: bytes) -> None:
+        self._buf = memoryview(chunk)
+
+
+class HashingReader(ChunkReader):
+    """A :class:`ChunkReader` that hashes every byte it fetches, so a layer is verified in the same pass
+    that unpacks it. :meth:`drain` hashes whatever was not read."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        super().__init__(chunks)
+        self.hasher = hashlib.sha256()
+        self.size = 0
 
     def drain(self) -> None:
         self._buf = memoryview(b"")

@@ -1,66 +1,104 @@
 """Publish and pull throughput of a large engine through Kiln against raw boto3 on the same S3 server.
 
-    python bench/storage_bench.py [--mib 256]
+    python bench/storage_bench.py [--mib 256] [--rounds 3]
 
-Kiln: ``push_engine_image`` (tar layer + multipart upload with the digest computed in the same pass + config +
-manifest) and ``pull_image`` (stream, hash, unpack). Raw: ``boto3 upload_file`` / ``download_file`` of the same
-bytes. The S3 server is moto over HTTP on 127.0.0.1 (same machine for both), so ratios, not absolute MB/s,
-are the point."""
+Kiln: ``push_engine_image`` (deterministic tar layer, digest, multipart upload verified against it, config,
+manifest) and ``pull_image`` (stream, hash, unpack, verify). Raw: ``boto3 upload_file`` / ``download_file``
+of the same bytes with boto3's defaults. The S3 server is moto's, over HTTP on 127.0.0.1, in a process of its
+own (as a real server would be: in the benchmark's process it would compete with the client under test for
+the GIL). Raw and Kiln runs alternate, ``--rounds`` times each; the medians are compared."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import socket
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def start_s3_server() -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    import httpx
+
+    for _ in range(100):
+        try:
+            httpx.get(endpoint, timeout=1)
+            return proc, endpoint
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("moto's S3 server did not start")
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
     import boto3
-    from moto.server import ThreadedMotoServer
 
     from artifacts.oci import pull_image, push_engine_image
     from artifacts.s3 import S3BlobStore
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
-    client = boto3.client("s3", endpoint_url=endpoint)
-    client.create_bucket(Bucket="bench")
-    size = args.mib << 20
-    with tempfile.TemporaryDirectory() as d:
-        engine = Path(d) / "engine"
-        engine.mkdir()
-        with open(engine / "rank0.engine", "wb") as f:
-            for _ in range(args.mib):
-                f.write(os.urandom(1 << 20))
-        t = time.perf_counter()
-        client.upload_file(str(engine / "rank0.engine"), "bench", "raw/rank0.engine")
-        raw_up = time.perf_counter() - t
-        t = time.perf_counter()
-        client.download_file("bench", "raw/rank0.engine", str(Path(d) / "raw.bin"))
-        raw_down = time.perf_counter() - t
-        store = S3BlobStore("bench", "kiln", endpoint_url=endpoint)
-        t = time.perf_counter()
-        image = push_engine_image(store, engine, annotations={}, labels={})
-        kiln_up = time.perf_counter() - t
-        t = time.perf_counter()
-        pull_image(store, image.digest, Path(d) / "pulled")
-        kiln_down = time.perf_counter() - t
-    server.stop()
-    mb = size / 1e6
-    print(f"engine of {args.mib} MiB")
-    print(f"publish: kiln {mb / kiln_up:7.1f} MB/s, raw boto3 upload_file {mb / raw_up:7.1f} MB/s -> ratio {raw_up / kiln_up:.2f} x raw")
-    print(f"pull:    kiln {mb / kiln_down:7.1f} MB/s, raw boto3 download_file {mb / raw_down:7.1f} MB/s -> ratio {raw_down / kiln_down:.2f} x raw")
+    server, endpoint = start_s3_server()
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="bench")
+        raw_up, raw_down, kiln_up, kiln_down = [], [], [], []
+        with tempfile.TemporaryDirectory() as d:
+            engine = Path(d) / "engine"
+            engine.mkdir()
+            with open(engine / "rank0.engine", "wb") as f:
+                for _ in range(args.mib):
+                    f.write(os.urandom(1 << 20))
+            for r in range(args.rounds):
+                for run in ("raw", "kiln") if r % 2 == 0 else ("kiln", "raw"):  # alternate who goes first
+                    if run == "raw":
+                        raw_up.append(timed(lambda: client.upload_file(str(engine / "rank0.engine"), "bench", "raw")))
+                        raw_down.append(timed(lambda: client.download_file("bench", "raw", str(Path(d) / "raw.bin"))))
+                        client.delete_object(Bucket="bench", Key="raw")
+                        (Path(d) / "raw.bin").unlink()
+                        continue
+                    store = S3BlobStore("bench", "kiln", endpoint_url=endpoint)
+                    t = time.perf_counter()
+                    image = push_engine_image(store, engine, annotations={}, labels={"round": str(r)})
+                    kiln_up.append(time.perf_counter() - t)
+                    kiln_down.append(timed(lambda: pull_image(store, image.digest, Path(d) / "pulled")))
+                    shutil.rmtree(Path(d) / "pulled")
+                    for digest in list(store.list_digests()):  # moto keeps every object in memory: start empty
+                        store.delete(digest)
+    finally:
+        server.terminate()
+        server.wait(10)
+    mb = args.mib * (1 << 20) / 1e6
+    ru, rd, ku, kd = (statistics.median(x) for x in (raw_up, raw_down, kiln_up, kiln_down))
+    print(f"engine of {args.mib} MiB, {args.rounds} alternating rounds, medians (moto S3 server in its own process)")
+    print(f"publish: kiln {mb / ku:7.1f} MB/s, raw boto3 upload_file   {mb / ru:7.1f} MB/s -> ratio {ru / ku:.2f} x raw")
+    print(f"pull:    kiln {mb / kd:7.1f} MB/s, raw boto3 download_file {mb / rd:7.1f} MB/s -> ratio {rd / kd:.2f} x raw")
+    print("rounds (s): " + "; ".join(f"raw up {a:.2f} kiln up {b:.2f} raw down {c:.2f} kiln down {e:.2f}"
+                                     for a, b, c, e in zip(raw_up, kiln_up, raw_down, kiln_down)))
 
 
 if __name__ == "__main__":

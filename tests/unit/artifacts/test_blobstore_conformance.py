@@ -74,15 +74,17 @@ def test_empty_blob(store):
     assert list(store.open_range(info.digest, 0, 10)) == []
 
 
-@pytest.mark.parametrize("how", ["bytes", "file", "stream", "stream_expected"])
-def test_reput_is_idempotent_and_does_not_rewrite(backend: Backend, tmp_path, how):
-    store, data = backend.store, os.urandom(5000)
+@pytest.mark.parametrize("size", [5000, 17 * MiB + 12345])
+@pytest.mark.parametrize("how", ["bytes", "file", "stream", "stream_expected", "source"])
+def test_reput_is_idempotent_and_does_not_rewrite(backend: Backend, tmp_path, how, size, big):
+    store, data = backend.store, big if size > 5000 else os.urandom(5000)
     (tmp_path / "blob").write_bytes(data)
     put = {
         "bytes": lambda: store.put_bytes(data),
         "file": lambda: store.put_file(tmp_path / "blob"),
         "stream": lambda: store.put_stream(io.BytesIO(data)),
         "stream_expected": lambda: store.put_stream(io.BytesIO(data), expected_digest=digest_of(data)),
+        "source": lambda: store.put_source(lambda: io.BytesIO(data)),
     }[how]
     first = store.put_bytes(data)
     before = backend.fingerprint(first.digest)
@@ -91,16 +93,47 @@ def test_reput_is_idempotent_and_does_not_rewrite(backend: Backend, tmp_path, ho
     assert backend.leftovers() == []
 
 
-@pytest.mark.parametrize("how", ["file", "stream"])
+@pytest.mark.parametrize("how", ["file", "stream", "source"])
 def test_large_blob_roundtrips(store, tmp_path, big, how):
     (tmp_path / "big").write_bytes(big)
-    info = store.put_file(tmp_path / "big") if how == "file" else store.put_stream(io.BytesIO(big))
+    info = {"file": lambda: store.put_file(tmp_path / "big"), "stream": lambda: store.put_stream(io.BytesIO(big)),
+            "source": lambda: store.put_source(lambda: io.BytesIO(big))}[how]()
     assert info == BlobInfo(digest_of(big), len(big))
     assert store.stat(info.digest).size == len(big)
     assert store.get_bytes(info.digest) == big
     edge = 8 * MiB - 10  # a range across the first part boundary
     assert b"".join(store.open_range(info.digest, edge, 20)) == big[edge : edge + 20]
     assert store.verify(info.digest)
+
+
+@pytest.mark.parametrize("where", [0, 8 * MiB + 5, 17 * MiB + 12000])  # first part, a middle part, the last
+def test_a_source_that_changes_between_its_reads_stores_nothing(backend: Backend, big, where):
+    for data, at in ((b"small source", 3), (big, where)):
+        reads = []
+
+        def open_source():
+            reads.append(1)
+            changed = bytearray(data)
+            if len(reads) > 1:
+                changed[at] ^= 0xFF  # the second read differs by one byte
+            return io.BytesIO(bytes(changed))
+
+        with pytest.raises(DigestMismatch):
+            backend.store.put_source(open_source)
+    assert list(backend.store.list_digests()) == []
+    assert backend.leftovers() == []
+
+
+def test_a_source_that_grows_between_its_reads_stores_nothing(backend: Backend, big):
+    opened = []
+
+    def open_source():
+        opened.append(1)
+        return io.BytesIO(big if len(opened) == 1 else big + b"more")
+
+    with pytest.raises(DigestMismatch):
+        backend.store.put_source(open_source)
+    assert list(backend.store.list_digests()) == [] and backend.leftovers() == []
 
 
 def test_expected_digest_mismatch_stores_nothing(backend: Backend, big):

@@ -75,6 +75,54 @@ def test_write_tar_is_deterministic_and_normalised(tmp_path):
         assert m.mode == (0o755 if m.isdir() else 0o644)
 
 
+def _tarfile_reference(src: Path) -> bytes:
+    """The same entries written by ``tarfile`` itself: the oracle for the streamed tar."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(src.rglob("*"), key=lambda p: [c for c in p.relative_to(src).parts]):
+            info = tarfile.TarInfo(path.relative_to(src).as_posix())
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            if path.is_dir():
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                info.mode, info.size = 0o755 if path.stat().st_mode & 0o100 else 0o644, path.stat().st_size
+                with open(path, "rb") as f:
+                    tar.addfile(info, f)
+    return out.getvalue()
+
+
+def test_the_streamed_tar_is_byte_for_byte_what_tarfile_writes(tmp_path):
+    from artifacts.tarball import tar_chunks
+
+    src = make_engine(tmp_path / "engine")
+    (src / "empty").write_bytes(b"")
+    (src / "block").write_bytes(b"b" * 512)  # exactly one block: no padding
+    (src / "run.sh").write_bytes(b"#!/bin/sh\n")
+    (src / "run.sh").chmod(0o755)
+    (src / "empty-dir").mkdir()
+    deep = src / ("d" * 60) / ("e" * 60)  # a path over 100 characters needs a PAX header
+    deep.mkdir(parents=True)
+    (deep / ("f" * 90 + ".bin")).write_bytes(os.urandom(3000))
+    (src / "naïve-ünïcode.json").write_bytes(b"{}")
+    (src / "big.bin").write_bytes(os.urandom((1 << 20) + 777))  # more than one read chunk
+    streamed = b"".join(tar_chunks(src))
+    assert streamed == _tarfile_reference(src)
+    assert len(streamed) % tarfile.RECORDSIZE == 0
+    write_tar(src, tmp_path / "out.tar")
+    assert (tmp_path / "out.tar").read_bytes() == streamed
+
+
+def test_a_file_that_changes_size_while_packed_is_an_error(tmp_path):
+    from artifacts.tarball import tar_chunks
+
+    src = make_engine(tmp_path / "engine")
+    chunks = tar_chunks(src)  # walked (sizes taken) now, read later
+    (src / "config.json").write_bytes(b"{}")
+    with pytest.raises(OSError, match="shrank"):
+        b"".join(chunks)
+
+
 def test_write_tar_refuses_symlinks(tmp_path):
     engine = make_engine(tmp_path / "engine")
     (engine / "link").symlink_to(engine / "config.json")
