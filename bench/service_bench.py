@@ -1,11 +1,15 @@
 """Service benchmarks on the real stack (PostgreSQL on 127.0.0.1, ``kiln api`` processes, wrk as the load
 generator), each printed as a ratio against a bare handler on the same server:
 
-- resolve requests/s and p99 latency with 100,000 artifacts in PostgreSQL, against GET /healthz;
-- the identical-rebuild answer (POST /v1/builds of an already-built spec → 200 with the artifact), against
-  GET /healthz.
+- resolve requests/s and p99 latency with 100,000 artifacts in PostgreSQL under load (wrk -t2 -c16), against
+  GET /healthz;
+- the identical-rebuild answer (POST /v1/builds of an already-built spec → 200 with the artifact): its answer
+  time (median latency, one request at a time on one keep-alive connection) against a bare GET's, and its
+  requests/s under the same load.
 
-    python bench/service_bench.py [--artifacts 100000] [--seconds 10] [--api-workers 2]
+Each figure is the median of ``--repeat`` wrk runs.
+
+    python bench/service_bench.py [--artifacts 100000] [--seconds 5] [--repeat 3] [--api-workers 2]
 
 Needs wrk (Debian package) and a PostgreSQL that accepts postgres@127.0.0.1 (the dev/CI machines have both)."""
 
@@ -16,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,18 +33,27 @@ sys.path.insert(0, str(ROOT))
 PG = os.environ.get("KILN_BENCH_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432")
 
 
-def wrk(url: str, seconds: int, *, script: str | None = None, connections: int = 16) -> tuple[float, float]:
-    cmd = ["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--latency", url]
+def wrk(url: str, seconds: int, *, script: str | None = None, connections: int = 16) -> dict[str, float]:
+    """One wrk run: requests/s and the median and 99th percentile latency (ms)."""
+    threads = min(2, connections)
+    cmd = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency", url]
     if script:
         cmd[1:1] = ["-s", script]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    m = re.search(r"99%\s+([\d.]+)(us|ms|s)", out)
-    p99 = float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if non2xx:
         raise SystemExit(f"wrk saw {non2xx.group(1)} error responses for {url}:\n{out}")
-    return rps, p99
+
+    def ms(pct: str) -> float:
+        m = re.search(pct + r"%\s+([\d.]+)(us|ms|s)\b", out)
+        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+
+    return {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)), "p50": ms("50"), "p99": ms("99")}
+
+
+def median_wrk(url: str, seconds: int, repeat: int, **kw) -> dict[str, float]:
+    runs = [wrk(url, seconds, **kw) for _ in range(repeat)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def seed(url: str, n: int) -> None:
@@ -76,7 +90,8 @@ def seed(url: str, n: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifacts", type=int, default=100_000)
-    ap.add_argument("--seconds", type=int, default=10)
+    ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--api-workers", type=int, default=2)
     args = ap.parse_args()
     if not shutil.which("wrk"):
@@ -121,15 +136,22 @@ def main() -> None:
         lua = home / "post.lua"
         lua.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                        f"wrk.body = {json.dumps(json.dumps(spec))}\n")
-        wrk(base + "/healthz", 2)  # warm up
-        bare_rps, bare_p99 = wrk(base + "/healthz", args.seconds)
-        res_rps, res_p99 = wrk(resolve, args.seconds)
-        noop_rps, noop_p99 = wrk(base + "/v1/builds", args.seconds, script=str(lua))
-        print(f"api workers {args.api_workers}, wrk -t2 -c16, {args.seconds}s each, 2 cores shared by server and load")
-        print(f"bare GET /healthz:        {bare_rps:8.0f} req/s  p99 {bare_p99:6.1f} ms")
-        print(f"resolve (100k artifacts): {res_rps:8.0f} req/s  p99 {res_p99:6.1f} ms  -> {res_rps / bare_rps:.2f} x bare")
-        print(f"identical rebuild (POST): {noop_rps:8.0f} req/s  p99 {noop_p99:6.1f} ms  -> "
-              f"answer time {bare_rps / noop_rps:.2f} x a bare GET")
+        for url, script in ((base + "/healthz", None), (resolve, None), (base + "/v1/builds", str(lua))):
+            wrk(url, 2, script=script)  # warm up: pools filled, statements prepared on every connection
+        n, r = args.seconds, args.repeat
+        bare, res = median_wrk(base + "/healthz", n, r), median_wrk(resolve, n, r)
+        noop = median_wrk(base + "/v1/builds", n, r, script=str(lua))
+        bare1 = median_wrk(base + "/healthz", n, r, connections=1)
+        noop1 = median_wrk(base + "/v1/builds", n, r, script=str(lua), connections=1)
+        print(f"api workers {args.api_workers}; medians of {r} wrk runs of {n}s; 2 cores shared by server and load")
+        print(f"under load (wrk -t2 -c16):")
+        print(f"  bare GET /healthz:        {bare['rps']:8.0f} req/s  p99 {bare['p99']:6.1f} ms")
+        print(f"  resolve (100k artifacts): {res['rps']:8.0f} req/s  p99 {res['p99']:6.1f} ms  -> {res['rps'] / bare['rps']:.2f} x bare")
+        print(f"  identical rebuild (POST): {noop['rps']:8.0f} req/s  p99 {noop['p99']:6.1f} ms  -> {noop['rps'] / bare['rps']:.2f} x bare")
+        print(f"one request at a time (wrk -t1 -c1, keep-alive):")
+        print(f"  bare GET /healthz:        median {bare1['p50'] * 1e3:6.0f} us")
+        print(f"  identical rebuild (POST): median {noop1['p50'] * 1e3:6.0f} us  -> answer time "
+              f"{noop1['p50'] / bare1['p50']:.2f} x a bare GET")
     finally:
         if api:
             api.terminate()

@@ -28,6 +28,18 @@ DECODER_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3":
                  "gemma2": "gemma2", "phi3": "phi3", "mixtral": "llama"}
 
 
+def preload() -> None:
+    """Import what :func:`quantize` needs (ModelOpt alone takes seconds): a long-lived worker process calls
+    this when it starts, so that no build pays for it. Where ModelOpt is not installed, nothing happens here;
+    the stage reports it when it runs."""
+    try:
+        import modelopt.torch.export  # noqa: F401
+        import modelopt.torch.quantization  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    except ImportError as exc:
+        log.info("not preloading the quantizer: %s", exc)
+
+
 def quant_config(precision: str, kv_cache: str) -> dict:
     import modelopt.torch.quantization as mtq
 

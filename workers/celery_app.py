@@ -25,6 +25,9 @@ def make_app(broker_url: str | None = None) -> Celery:
         task_time_limit=BUILD_HARD_LIMIT_S,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
+        # A pool process imports the quantizer as it starts (workers/tasks.py), seconds on a small machine;
+        # Celery's default (4 s) would take that for a hung start and replace the process, over and over.
+        worker_proc_alive_timeout=120.0,
     )
     if broker.startswith(("redis://", "rediss://")):
         # Redis redelivers an unacknowledged message after this long; builds are idempotent (state in the DB)
