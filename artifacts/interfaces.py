@@ -46,6 +46,17 @@ class BlobInfo:
     size: int
 
 
+@dataclass(frozen=True)
+class Survey:
+    """What the first read of a source learned (:meth:`BlobStore.survey`): its digest and size and, for a
+    store that uploads in parts, each part's CRC32 at that store's ``part_size``."""
+
+    digest: str
+    size: int
+    part_size: int | None = None
+    part_crcs: tuple[str, ...] = ()
+
+
 class BlobStore(abc.ABC):
     """A content-addressed blob store. Safe to share between threads; holds no open files."""
 
@@ -63,23 +74,40 @@ class BlobStore(abc.ABC):
         blob already exists.
         """
 
-    def put_source(self, open_source: Callable[[], BinaryIO]) -> BlobInfo:
+    def put_source(self, open_source: Callable[[], BinaryIO], survey: Survey | None = None) -> BlobInfo:
         """Store the bytes of a source that can be opened and read more than once, giving the same bytes
         each time: a file, or an engine directory's tar made as it is read.
 
-        The source is read once to learn its digest (a local read is cheap next to an upload), so that a
-        blob already in the store is never sent again, and once more as the upload, which is checked
-        against the first read: a source that changed in between is refused with
+        The source is read once to learn its digest (:meth:`survey`; a local read is cheap next to an
+        upload), so that a blob already in the store is never sent again, and once more as the upload,
+        which is checked against the first read: a source that changed in between is refused with
         :class:`DigestMismatch` and nothing is committed. Here the check is :meth:`put_stream`'s
         (the second read hashed again); a backend may check more cheaply. Errors of the source itself
         propagate unchanged.
+
+        ``survey``: a first read made earlier (a build surveys its engine layer while validation runs).
+        If the source no longer matches it, the source is surveyed afresh and stored as it is now.
         """
-        hasher = hashlib.sha256()
+        if survey is not None:
+            try:
+                return self._put_surveyed(open_source, survey)
+            except DigestMismatch:
+                pass
+        return self._put_surveyed(open_source, self.survey(open_source))
+
+    def survey(self, open_source: Callable[[], BinaryIO]) -> Survey:
+        """The first read of :meth:`put_source` on its own, to be made ahead of the upload."""
+        hasher, size = hashlib.sha256(), 0
         with open_source() as f:
             for chunk in iter(lambda: f.read(CHUNK), b""):
                 hasher.update(chunk)
+                size += len(chunk)
+        return Survey("sha256:" + hasher.hexdigest(), size)
+
+    def _put_surveyed(self, open_source: Callable[[], BinaryIO], survey: Survey) -> BlobInfo:
+        """The second read: store the source as the blob ``survey`` names, or raise :class:`DigestMismatch`."""
         with open_source() as f:
-            return self.put_stream(f, expected_digest="sha256:" + hasher.hexdigest())
+            return self.put_stream(f, expected_digest=survey.digest)
 
     def put_file(self, path: Path) -> BlobInfo:
         """Store the file at ``path`` (:meth:`put_source`). Errors opening it propagate as ``OSError``."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from artifacts.interfaces import BlobInfo, BlobStore
+from artifacts.interfaces import BlobInfo, BlobStore, Survey
 from artifacts.tarball import ChunkReader, HashingReader, tar_chunks, unpack_tar
 from kiln.digests import canonical_json, parse_digest, sha256_bytes
 from kiln.errors import DigestMismatch, StorageUnavailable
@@ -72,6 +72,7 @@ def push_engine_image(
     annotations: dict[str, str],
     labels: dict[str, str],
     created: str = "1970-01-01T00:00:00Z",
+    layer_survey: Survey | None = None,
 ) -> EngineImage:
     """Store ``engine_dir`` as an OCI image: layer, then config, then manifest.
 
@@ -80,9 +81,10 @@ def push_engine_image(
     on content only. The layer tar is never written out: the store reads it twice as it is made from the
     engine files (:meth:`~artifacts.interfaces.BlobStore.put_source`), once to learn its digest (the key,
     needed before an upload can start) and once as the upload, checked against the first read.
+    ``layer_survey`` is that first read made ahead (:func:`survey_engine_layer`).
     """
     tar_chunks(engine_dir)  # refuses a symlink or a special file before the store is touched
-    layer = store.put_source(lambda: ChunkReader(tar_chunks(engine_dir)))
+    layer = store.put_source(lambda: ChunkReader(tar_chunks(engine_dir)), layer_survey)
     config = {
         "created": created,
         "architecture": "amd64",
@@ -102,6 +104,12 @@ def push_engine_image(
         manifest["annotations"] = dict(annotations)
     blob = store.put_bytes(canonical_json(manifest))
     return EngineImage(blob.digest, blob.size, manifest, config_blob.digest, [layer])
+
+
+def survey_engine_layer(store: BlobStore, engine_dir: Path) -> Survey:
+    """The first read of :func:`push_engine_image`'s layer, on its own: a build makes it while validation
+    runs, so that publishing is one read of the engine, the upload."""
+    return store.survey(lambda: ChunkReader(tar_chunks(engine_dir)))
 
 
 def push_referrer(

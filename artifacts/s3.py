@@ -7,9 +7,10 @@ How a write is staged depends on what is known before the bytes move:
   :data:`PART_SIZE`, a multipart upload above it. A multipart upload is invisible until it is
   completed, and it is completed only if the bytes, hashed in the same pass, match the digest; so
   large files need no staging key and no server-side copy.
-* **A source read twice** (``put_source``, ``put_file``: engine layers): the first read yields the
-  digest and each part's CRC32; the upload goes straight to the final key as above, each part
-  checked against its first read rather than the whole stream hashed again.
+* **A source read twice** (``put_source``, ``put_file``: engine layers): the first read (``survey``,
+  which a build makes ahead, beside validation) yields the digest and each part's CRC32; the upload
+  goes straight to the final key as above, each part checked against its first read rather than
+  the whole stream hashed again.
 * **Digest unknown** (a plain ``put_stream``): up to :data:`PART_SIZE` the bytes are hashed in
   memory (that buffer is the staged copy) and PUT as above. A larger stream goes up as a
   multipart upload to a staging key under ``uploads/``; once hashed, an existing blob means the
@@ -26,6 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
@@ -34,7 +38,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
 
 from artifacts import paths
-from artifacts.interfaces import BlobInfo, BlobStore, check_expected, check_range
+from artifacts.interfaces import BlobInfo, BlobStore, Survey, check_expected, check_range
 from artifacts.s3_multipart import (
     SourceChanged, b64_crc32, b64_sha256, copy_in_parts, is_precondition_failed, upload_in_parts,
 )
@@ -50,11 +54,14 @@ _MISSING = {"NoSuchKey", "404", "NotFound"}
 
 def make_s3_client(endpoint_url: str | None = None, *, max_attempts: int = 4) -> Any:
     """The client a store makes unless given one: botocore standard-mode retries, path-style
-    addressing for custom endpoints (MinIO, moto), credentials and region from the environment."""
-    config = Config(
-        retries={"mode": "standard", "max_attempts": max_attempts},
-        s3={"addressing_style": "path"} if endpoint_url else {},
-    )
+    addressing for custom endpoints (MinIO, moto), credentials and region from the environment.
+
+    Bodies are not SHA-256-signed (``UNSIGNED-PAYLOAD``), which botocore otherwise does on plain-HTTP
+    endpoints (a MinIO in the same network): every write carries a checksum header that S3 verifies and
+    the signature covers, and every read is checked against its digest, so hashing each body once more
+    for the signature would only cost a second SHA-256 pass over every engine uploaded."""
+    s3 = {"payload_signing_enabled": False, **({"addressing_style": "path"} if endpoint_url else {})}
+    config = Config(retries={"mode": "standard", "max_attempts": max_attempts}, s3=s3)
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
 
 
@@ -109,30 +116,31 @@ class S3BlobStore(BlobStore):
         parts = _parts((first, second), stream, self.part_size)
         return self._put_staged(parts) if expected_digest is None else self._put_known(parts, expected_digest)
 
-    def put_source(self, open_source: Callable[[], BinaryIO]) -> BlobInfo:
-        """The first read hashes the source (SHA-256: its digest) and takes each part's CRC32; the upload
-        (the second read) sends each part with that CRC32 after checking it against the first read's, so
-        the stored bytes are the ones the digest names without hashing them with SHA-256 a second time."""
-        hasher, crcs, size = hashlib.sha256(), [], 0
-        with open_source() as f:
-            while part := _read_full(f, self.part_size):
-                hasher.update(part)
-                crcs.append(b64_crc32(part))
-                size += len(part)
-        digest = "sha256:" + hasher.hexdigest()
-        if size <= self.part_size:  # one PUT, which hashes its bytes again anyway
+    def survey(self, open_source: Callable[[], BinaryIO]) -> Survey:
+        """SHA-256 (the digest) and each part's CRC32, in one read (:func:`_survey`)."""
+        digest, crcs, size = _survey(open_source, self.part_size)
+        return Survey(digest, size, self.part_size, tuple(crcs))
+
+    def _put_surveyed(self, open_source: Callable[[], BinaryIO], survey: Survey) -> BlobInfo:
+        """The upload (the second read) sends each part with its CRC32 from the survey after checking it
+        against this read's, so the stored bytes are the ones the digest names without hashing them with
+        SHA-256 a second time."""
+        if survey.size <= self.part_size:  # one PUT, which hashes its bytes again anyway
             with open_source() as f:
-                return self.put_stream(f, expected_digest=digest)
-        if existing := self._existing(digest):
+                return self.put_stream(f, expected_digest=survey.digest)
+        if survey.part_size != self.part_size:  # made for other parts: its CRC32s cannot check these
+            survey = self.survey(open_source)
+        if existing := self._existing(survey.digest):
             return existing
-        with open_source() as f, s3_errors(f"store {digest}"):
+        with open_source() as f, s3_errors(f"store {survey.digest}"):
             try:
-                upload_in_parts(self._client, self.bucket, self._blob_key(digest), _parts((), f, self.part_size),
-                                lambda _: True, create_only=True, expected_crcs=crcs)
+                upload_in_parts(self._client, self.bucket, self._blob_key(survey.digest),
+                                _parts((), f, self.part_size), lambda _: True, create_only=True,
+                                expected_crcs=list(survey.part_crcs))
             except SourceChanged as e:
-                raise DigestMismatch(f"the source of {digest} changed while it was stored ({e}); "
+                raise DigestMismatch(f"the source of {survey.digest} changed while it was stored ({e}); "
                                      "nothing was stored") from None
-        return BlobInfo(digest, size)
+        return BlobInfo(survey.digest, survey.size)
 
     def _put_known(self, parts: Iterator[bytes], digest: str) -> BlobInfo:
         """Multipart upload straight to the final key, completed only if the bytes match."""
@@ -255,6 +263,37 @@ def _read_full(stream: BinaryIO, size: int) -> bytearray:
     if n < size:
         del buf[n:]
     return buf
+
+
+def _survey(open_source: Callable[[], BinaryIO], part_size: int) -> tuple[str, list[str], int]:
+    """The first read of a source: its SHA-256 digest, each part's CRC32 and the size. Three threads
+    share the work (reading or making the bytes, SHA-256, CRC32; hashlib and zlib let go of the GIL on
+    large buffers), so the pass costs about one SHA-256 of the source rather than the sum of the three;
+    at most three parts are held in memory."""
+    hasher, size, parts, stop = hashlib.sha256(), 0, queue.Queue(maxsize=2), threading.Event()
+
+    def read() -> None:
+        try:
+            with open_source() as f:
+                while not stop.is_set() and (part := _read_full(f, part_size)):
+                    parts.put(part)
+        finally:
+            parts.put(None)  # also after an error, which ``reader.result()`` raises below
+
+    with ThreadPoolExecutor(2, thread_name_prefix="kiln-survey") as pool:
+        reader, crcs = pool.submit(read), []
+        try:
+            while (part := parts.get()) is not None:
+                crcs.append(pool.submit(b64_crc32, part))
+                hasher.update(part)
+                size += len(part)
+        except BaseException:  # let the reader finish instead of blocking on a full queue
+            stop.set()
+            while parts.get() is not None:
+                pass
+            raise
+        reader.result()
+        return "sha256:" + hasher.hexdigest(), [c.result() for c in crcs], size
 
 
 def _parts(head: tuple[bytes, ...], stream: BinaryIO, part_size: int) -> Iterator[bytes]:

@@ -8,6 +8,7 @@ import json
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import kiln
 from artifacts.interfaces import BlobStore
+from artifacts.oci import survey_engine_layer
 from builder import quantize as quantize_stage
 from builder.backends import get_backend
 from builder.publish import publish, tag_for
@@ -186,11 +188,15 @@ class Builder:
             self.settings.cache_dir / "compile", p.compile_key,
             lambda out: backend.compile(spec, qdir, out)), stages)
         self._check_cancel()
-        report, _ = self._stage("validate", lambda: (validate(
-            open_engine(spec.backend, cdir), open_reference(p.resolved.local_dir), p.resolved.local_dir,
-            p.eval_text, spec, p.gates, int(p.model_config["vocab_size"]),
-            previous=previous_engine(self.sessions, spec, p.build_key, p.data), engine_source=(spec.backend, cdir)), {}),
-            stages)
+        with ThreadPoolExecutor(1, thread_name_prefix="kiln-layer-survey") as ahead:
+            # publishing's first read of the engine layer (its digest), made beside validation's accuracy pass
+            survey = ahead.submit(survey_engine_layer, self.store, cdir)
+            report, _ = self._stage("validate", lambda: (validate(
+                open_engine(spec.backend, cdir), open_reference(p.resolved.local_dir), p.resolved.local_dir,
+                p.eval_text, spec, p.gates, int(p.model_config["vocab_size"]),
+                previous=previous_engine(self.sessions, spec, p.build_key, p.data), engine_source=(spec.backend, cdir),
+                before_timing=survey.exception), {}), stages)
+        layer_survey = None if survey.exception() else survey.result()  # publish reads afresh and reports it
         self._check_cancel()
         provenance = {
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "kiln": kiln.__version__,
@@ -201,7 +207,7 @@ class Builder:
         }
         row, _ = self._stage("publish", lambda: (publish(
             self.store, self.sessions, cdir, spec=spec, build_key=p.build_key, request_key=p.request_key,
-            provenance=provenance, validation=report), {}), stages)
+            provenance=provenance, validation=report, layer_survey=layer_survey), {}), stages)
         return self._outcome(p.build_key, row, stages, cache_hit=False)
 
     # -- helpers ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from artifacts.interfaces import BlobStore
+from artifacts.interfaces import BlobStore, Survey
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_engine_image, push_referrer
 from kiln.models import Artifact, Referrer, Tag, TagEvent, TrackedModel, utcnow
 from kiln.spec import BuildSpec
@@ -66,11 +66,12 @@ def move_tag(session: Session, repository: str, name: str, digest: str | None, *
 
 
 def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path, *, spec: BuildSpec,
-            build_key: str, provenance: dict, validation: dict, request_key: str | None = None) -> Artifact:
+            build_key: str, provenance: dict, validation: dict, request_key: str | None = None,
+            layer_survey: Survey | None = None) -> Artifact:
     passed = bool(validation.get("passed"))
     annotations = annotations_for(spec, build_key, provenance, passed)
     labels = {k: v for k, v in annotations.items() if k.startswith(ANNOTATION_PREFIX)}
-    image = push_engine_image(store, engine_dir, annotations=annotations, labels=labels)
+    image = push_engine_image(store, engine_dir, annotations=annotations, labels=labels, layer_survey=layer_survey)
     payload = json.dumps({"provenance": provenance, "validation": validation}, sort_keys=True, indent=1).encode()
     ref_annotations = {f"{ANNOTATION_PREFIX}.build-key": build_key}
     ref_digest = push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),

@@ -7,6 +7,7 @@ engine of the same target) and ``conditions`` (what produced each figure)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -35,13 +36,17 @@ def eval_tokens(tokenizer_dir: Path, text: str, spec: BuildSpec) -> tuple[torch.
 
 def validate(engine: Runner, reference: Runner, tokenizer_dir: Path, eval_text: str, spec: BuildSpec,
              gates: dict[str, float], vocab: int, *, previous: dict | None = None,
-             engine_source: tuple[str, Path] | None = None) -> dict:
+             engine_source: tuple[str, Path] | None = None, before_timing: Callable[[], object] | None = None) -> dict:
     """``previous``: the engine to compare with (:func:`previous_engine`), or None. ``engine_source``:
-    (backend, engine_dir), so that peak memory is measured in a fresh process that loads the engine itself."""
+    (backend, engine_dir), so that peak memory is measured in a fresh process that loads the engine itself.
+    ``before_timing`` is called after the accuracy pass, before anything is timed (the build waits there for
+    work it ran beside the accuracy pass, so that no timing shares the machine with it)."""
     ids, seq = eval_tokens(tokenizer_dir, eval_text, spec)
     profile = spec.batch_profile
     batch = min(profile.max_batch_size, 16)
     metrics = accuracy(engine, reference, ids, seq, batch)
+    if before_timing is not None:
+        before_timing()
     # A runner with a runtime of its own (TensorRT-LLM: trtllm-bench, in-flight batching, KV cache) measures its
     # speed itself, in the same shapes; the others are timed here through their forward.
     own_speed = callable(getattr(engine, "throughput", None))

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from artifacts import LocalBlobStore, open_store
-from artifacts.interfaces import BlobInfo
+from artifacts.interfaces import BlobInfo, Survey
 from kiln.errors import BlobUnknown, DigestMismatch, InvalidDigest, SpecError, StorageUnavailable
 
 Backend = Any  # the harness in conftest.py (not importable: tests/ has no packages)
@@ -134,6 +134,42 @@ def test_a_source_that_grows_between_its_reads_stores_nothing(backend: Backend, 
     with pytest.raises(DigestMismatch):
         backend.store.put_source(open_source)
     assert list(backend.store.list_digests()) == [] and backend.leftovers() == []
+
+
+def test_a_survey_made_ahead_makes_the_upload_the_only_read(backend: Backend, big):
+    for data in (b"small source", big):
+        survey = backend.store.survey(lambda: io.BytesIO(data))
+        assert (survey.digest, survey.size) == (digest_of(data), len(data))
+        reads = []
+
+        def open_source():
+            reads.append(1)
+            return io.BytesIO(data)
+
+        assert backend.store.put_source(open_source, survey) == BlobInfo(digest_of(data), len(data))
+        assert len(reads) == 1 and backend.store.get_bytes(digest_of(data)) == data
+    assert backend.leftovers() == []
+
+
+@pytest.mark.parametrize("where", [0, 8 * MiB + 5])
+def test_a_source_changed_since_its_survey_is_stored_as_it_is_now(backend: Backend, big, where):
+    for data, at in ((b"small source", 3), (big, where)):
+        survey = backend.store.survey(lambda: io.BytesIO(data))
+        changed = bytearray(data)
+        changed[at] ^= 0xFF
+        now = bytes(changed)
+        assert backend.store.put_source(lambda: io.BytesIO(now), survey) == BlobInfo(digest_of(now), len(now))
+        assert backend.store.get_bytes(digest_of(now)) == now
+        with pytest.raises(BlobUnknown):
+            backend.store.stat(digest_of(data))
+    assert backend.leftovers() == []
+
+
+def test_a_survey_without_part_checksums_still_stores_the_source(backend: Backend, big):
+    """A survey another store made (digest and size only, no CRC32s at this store's part size)."""
+    survey = Survey(digest_of(big), len(big))
+    assert backend.store.put_source(lambda: io.BytesIO(big), survey) == BlobInfo(digest_of(big), len(big))
+    assert backend.store.verify(digest_of(big)) and backend.leftovers() == []
 
 
 def test_expected_digest_mismatch_stores_nothing(backend: Backend, big):

@@ -163,11 +163,21 @@ def test_nibble_swapped_nvfp4_export_fails_loudly(damaged_nvfp4, reference, held
 
 
 def test_fp8_export_passes_the_tighter_fp8_gates(fp8_export, reference, heldout):
+    calls = []
+
+    class Recorded(DequantizedCheckpointRunner):
+        def logits(self, input_ids):
+            calls.append("forward")
+            return super().logits(input_ids)
+
     spec = nvfp4_spec(precision="fp8")
-    report = validate(DequantizedCheckpointRunner(fp8_export / "hf"), reference, TINY, heldout, spec,
-                      effective_gates("fp8", {}), 2048)
+    report = validate(Recorded(fp8_export / "hf"), reference, TINY, heldout, spec, effective_gates("fp8", {}), 2048,
+                      before_timing=lambda: calls.append("before_timing"))
     assert report["passed"], report["gates"]
     assert report["metrics"]["ppl_increase_pct"] < 3.0
+    # the hook runs once, between the accuracy pass and the first timed forward
+    first = calls.index("before_timing")
+    assert calls.count("before_timing") == 1 and 0 < first < len(calls) - 1
 
 
 SMALL = {"max_batch_size": 1, "max_input_len": 64, "max_seq_len": 96, "max_num_tokens": 96}  # quick speed checks
