@@ -86,7 +86,8 @@ class BlobStore(abc.ABC):
         propagate unchanged.
 
         ``survey``: a first read made earlier (a build surveys its engine layer while validation runs).
-        If the source no longer matches it, the source is surveyed afresh and stored as it is now.
+        If the blob it names is stored already, that is the answer and the source is not read; if the
+        source no longer matches it, the source is surveyed afresh and stored as it is now.
         """
         if survey is not None:
             try:
