@@ -26,7 +26,7 @@ def load_text(name: str, *, field: str, roots: list[Path]) -> tuple[str, str]:
     else:
         from kiln.spec import local_path
 
-        path = local_path(name)
+        path = local_path(name, field=field)
         if not any(path == r or path.is_relative_to(r) for r in roots):
             raise SpecError(f"{path} is outside the allowed roots", field=field,
                             fix="put the file under a checkpoint root (KILN_CHECKPOINT_ROOTS)")

@@ -131,9 +131,13 @@ def normalize_target(value: str) -> tuple[str | None, dict | None]:
                       f"use cpu, one of {', '.join(GPU_ARCHS)}, or a GPU name such as {', '.join(list(GPU_NAMES)[:6])}")
 
 
-def local_path(ref: str) -> Path:
+def local_path(ref: str, *, field: str = "checkpoint") -> Path:
     """A local checkpoint reference (a path or file://) as an absolute path. ``~`` is expanded where a home
-    directory is known and left as a literal folder name where it is not (services often run without $HOME)."""
+    directory is known and left as a literal folder name where it is not (services often run without $HOME).
+    A NUL character, which no file name can hold, is a :class:`SpecError` naming ``field``."""
+    if "\x00" in ref:
+        raise SpecError(f"{ref!r} contains a NUL character, which no path can hold", field=field,
+                        fix="give the path without it")
     path = Path(urlparse(ref).path if ref.startswith("file://") else ref)
     try:
         path = path.expanduser()
@@ -146,6 +150,9 @@ def check_checkpoint_ref(ref: str, roots: list[Path]) -> dict | None:
     """Shape of the reference, and local paths only under the configured roots (no traversal)."""
     if not isinstance(ref, str) or not ref.strip():
         return _bad("checkpoint", "is empty", "give hf://org/name@revision, s3://bucket/prefix or a directory")
+    if any(ord(c) < 32 or c == "\x7f" for c in ref):
+        return _bad("checkpoint", f"{ref!r} contains a control character",
+                    "give hf://org/name@revision, s3://bucket/prefix or a directory, without control characters")
     if ref.startswith("hf://"):
         repo = ref[5:].split("@", 1)[0]
         if not re.match(r"^[\w.-]+/[\w.-]+$", repo):

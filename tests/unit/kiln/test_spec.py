@@ -280,6 +280,20 @@ def test_path_traversal_out_of_a_root_is_refused(tmp_path):
     assert err.field == "checkpoint"
 
 
+@pytest.mark.parametrize("ref", ["\x00", "/models/a\x00b", "hf://org/name@main\n", "s3://bucket/pre\x1bfix"])
+def test_a_checkpoint_with_a_control_character_is_refused(tmp_path, ref):
+    err = refuse(roots=[tmp_path.resolve()], checkpoint=ref)
+    assert err.field == "checkpoint" and "control character" in err.message
+
+
+def test_a_dataset_path_with_a_nul_is_refused_naming_its_field(tmp_path):
+    from kiln.datasets import load_text
+
+    with pytest.raises(SpecError) as exc:
+        load_text(f"{tmp_path}/calib\x00.txt", field="calibration.dataset", roots=[tmp_path.resolve()])
+    assert exc.value.field == "calibration.dataset" and "NUL" in exc.value.message
+
+
 def test_sibling_directory_sharing_a_prefix_is_not_inside_the_root(tmp_path):
     root = tmp_path.resolve() / "models"
     err = refuse(roots=[root], checkpoint=str(tmp_path.resolve() / "models-private" / "m"))
