@@ -320,6 +320,7 @@ def _register_commands() -> None:
     import api.cli_service  # noqa: F401  (adds api, worker, serve to the group)
     import api.cli_fit  # noqa: F401
     import api.cli_report  # noqa: F401  (report)
+    import api.cli_models  # noqa: F401  (models)
 
 
 _register_commands()

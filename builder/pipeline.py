@@ -25,11 +25,11 @@ from builder.backends import get_backend
 from builder.publish import publish, tag_for
 from builder.resolve import ResolvedCheckpoint, read_model_config, resolve_checkpoint
 from kiln.datasets import load_text
-from kiln.errors import BuildCancelled, KilnError, SpecError
+from kiln.errors import BuildCancelled, KilnError
 from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, request_key
 from kiln.models import Artifact
 from kiln.settings import Settings
-from kiln.spec import BuildSpec
+from kiln.spec import BuildSpec, check_model
 from kiln.toolchain import toolchain_for
 from validation.gates import effective_gates
 from validation.runners import open_engine, open_reference
@@ -82,17 +82,6 @@ class Prepared:
     request_key: str
 
 
-def check_model_fits(spec: BuildSpec, config: dict) -> None:
-    """Rules that need the checkpoint's config.json; still checked before any expensive work."""
-    positions = int(config.get("max_position_embeddings") or 0)
-    if positions and spec.batch_profile.max_seq_len > positions:
-        raise SpecError(f"{spec.batch_profile.max_seq_len} exceeds the model's {positions} positions",
-                        field="profile.max_seq_len", fix=f"use max_seq_len ≤ {positions}")
-    if not config.get("architectures"):
-        raise SpecError("the checkpoint's config.json has no 'architectures'", field="checkpoint",
-                        fix="set architectures (e.g. [\"LlamaForCausalLM\"]) in config.json")
-
-
 def _cached_dir(root: Path, key: str) -> Path:
     return root / key.split(":", 1)[1]
 
@@ -131,7 +120,7 @@ class Builder:
         resolved, was_cached = resolve_checkpoint(spec.checkpoint, cache_root=self.settings.cache_dir / "resolve",
                                                   s3_endpoint_url=self.settings.s3_endpoint_url)
         config = read_model_config(resolved)
-        check_model_fits(spec, config)
+        check_model(spec, config)
         roots = self.settings.roots
         calib_text, calib_digest = load_text(spec.calibration.dataset, field="calibration.dataset", roots=roots)
         eval_text, eval_digest = load_text(spec.evaluation.dataset, field="evaluation.dataset", roots=roots)
@@ -186,7 +175,7 @@ class Builder:
         self._check_cancel()
         cdir, _ = self._stage("compile", lambda: _run_cached(
             self.settings.cache_dir / "compile", p.compile_key,
-            lambda out: backend.compile(spec, qdir, out)), stages)
+            lambda out: backend.compile(spec, qdir, out, checkpoint_dir=p.resolved.local_dir)), stages)
         self._check_cancel()
         with ThreadPoolExecutor(1, thread_name_prefix="kiln-layer-survey") as ahead:
             # publishing's first read of the engine layer (its digest), made beside validation's accuracy pass

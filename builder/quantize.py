@@ -1,8 +1,12 @@
-"""Stage 2, quantize: ModelOpt post-training quantization (FP8 or NVFP4, optionally FP8 KV cache), calibrated
-on real text, exported as both the TensorRT-LLM checkpoint (``trtllm/``: config.json + rank*.safetensors) and
-the unified Hugging Face checkpoint (``hf/``: hf_quant_config.json + safetensors + tokenizer).
+"""Stage 2, quantize: ModelOpt post-training quantization (the precision's ModelOpt config, optionally FP8 KV
+cache), calibrated on real text, exported as the unified Hugging Face checkpoint (``hf/``: safetensors, config.json
+with its ``quantization_config``, hf_quant_config.json, tokenizer, generation config) — the export every backend
+that runs here consumes — plus the calibration itself (``calibration/``: ModelOpt's state and the quantizers'
+amax buffers, no weights), from which :func:`export_trtllm_checkpoint` makes the TensorRT-LLM checkpoint when a
+``trtllm-engine`` build asks for one. The stage key has no backend, so switching backend never re-calibrates.
 
-ModelOpt's exporters modify the model in place, so each format is exported from its own copy.
+The model is loaded in the checkpoint's own dtype (bf16 for bf16 checkpoints) and not copied: the unified export
+modifies it in place, and it is the last thing done with it.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ from pathlib import Path
 import torch
 
 from kiln.errors import SpecError, StageFailed
+from kiln.families import family_of
+from kiln.precisions import get_precision
 from kiln.spec import BuildSpec
 
 log = logging.getLogger(__name__)
-
-# model_type → ModelOpt decoder_type for the TensorRT-LLM exporter
-DECODER_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gemma": "gemma",
-                 "gemma2": "gemma2", "phi3": "phi3", "mixtral": "llama"}
+#: files of the source checkpoint the unified export carries over when ModelOpt does not write them
+CARRIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+           "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 def preload() -> None:
@@ -43,7 +48,7 @@ def preload() -> None:
 def quant_config(precision: str, kv_cache: str) -> dict:
     import modelopt.torch.quantization as mtq
 
-    cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG if precision == "fp8" else mtq.NVFP4_DEFAULT_CFG)
+    cfg = copy.deepcopy(getattr(mtq, get_precision(precision).modelopt_config))
     if kv_cache == "fp8":
         kv_rules = copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
         if isinstance(cfg["quant_cfg"], list):  # ModelOpt ≥ 0.4x: an ordered list of rules
@@ -66,21 +71,47 @@ def _device(spec: BuildSpec) -> str:
     return "cuda" if spec.target != "cpu" and torch.cuda.is_available() else "cpu"
 
 
+def load_source_model(checkpoint_dir: Path, device: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype="auto").to(device).eval()
+
+
+def save_calibration(model, out: Path) -> None:
+    """ModelOpt's state and the quantizers' buffers (amax): what restores the calibrated model on the source
+    weights, without a second copy of the weights."""
+    import modelopt.torch.opt as mto
+
+    out.mkdir(parents=True)
+    quantizers = {k: v.detach().cpu() for k, v in model.state_dict().items() if "_quantizer." in k}
+    torch.save({"modelopt_state": mto.modelopt_state(model), "quantizers": quantizers}, out / "calibration.pt")
+
+
+def restore_calibration(checkpoint_dir: Path, calibration_dir: Path, device: str):
+    """The source model with the saved calibration applied (no forward pass: nothing is re-calibrated)."""
+    import modelopt.torch.opt as mto
+
+    saved = torch.load(calibration_dir / "calibration.pt", map_location=device, weights_only=False)
+    model = mto.restore_from_modelopt_state(load_source_model(checkpoint_dir, device), saved["modelopt_state"])
+    missing = set(saved["quantizers"]) - set(model.state_dict())
+    if missing:
+        raise StageFailed(f"the saved calibration does not fit this checkpoint ({len(missing)} quantizer buffers unknown)")
+    model.load_state_dict(saved["quantizers"], strict=False)
+    return model
+
+
 def quantize(checkpoint_dir: Path, spec: BuildSpec, calib_text: str, out_dir: Path) -> dict:
     """Calibrate and export into ``out_dir`` (which must not exist yet). Returns the stage's record."""
     import modelopt.torch.quantization as mtq
-    from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoTokenizer
 
     device = _device(spec)
     config = json.loads((checkpoint_dir / "config.json").read_text())
-    decoder = DECODER_TYPES.get(config.get("model_type", ""))
-    if decoder is None:
-        raise SpecError(f"model_type {config.get('model_type')!r} has no TensorRT-LLM export in Kiln",
-                        field="checkpoint", fix=f"use a model of type {', '.join(DECODER_TYPES)}")
+    family = family_of(config)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype="auto").to(device).eval()
+    model = load_source_model(checkpoint_dir, device)
     batches = calibration_batches(tokenizer, calib_text, spec.calibration.samples, spec.calibration.seq_len).to(device)
 
     def forward_loop(m):
@@ -98,22 +129,53 @@ def quantize(checkpoint_dir: Path, spec: BuildSpec, calib_text: str, out_dir: Pa
             raise StageFailed(f"ModelOpt calibration failed: {type(exc).__name__}: {exc}") from exc
         t2 = time.perf_counter()
         out_dir.mkdir(parents=True)
+        quantized = sum(1 for n, m in model.named_modules() if n.endswith("weight_quantizer") and m.is_enabled)
+        save_calibration(model, out_dir / "calibration")
         try:
-            export_tensorrt_llm_checkpoint(copy.deepcopy(model), decoder, dtype=model.dtype,
-                                           export_dir=out_dir / "trtllm", inference_tensor_parallel=spec.tp_size)
-            export_hf_checkpoint(copy.deepcopy(model), export_dir=out_dir / "hf")
+            export_hf_checkpoint(model, export_dir=out_dir / "hf")  # in place: the model is not used after this
         except Exception as exc:
             raise StageFailed(f"ModelOpt export failed: {type(exc).__name__}: {exc}") from exc
+    del model
     tokenizer.save_pretrained(out_dir / "hf")
+    for name in CARRIED:
+        if (checkpoint_dir / name).is_file() and not (out_dir / "hf" / name).exists():
+            (out_dir / "hf" / name).write_bytes((checkpoint_dir / name).read_bytes())
     t3 = time.perf_counter()
-    quantized = sum(1 for n, m in model.named_modules() if n.endswith("weight_quantizer") and m.is_enabled)
+    hf_quant = out_dir / "hf" / "hf_quant_config.json"
     record = {
-        "precision": spec.precision, "kv_cache": spec.kv_cache, "device": device, "decoder_type": decoder,
+        "precision": spec.precision, "kv_cache": spec.kv_cache, "device": device, "family": family.name,
         "calibration": {**spec.calibration.model_dump(), "tokens": int(batches.numel())},
-        "quantized_linears": quantized,
+        "quantized_linears": quantized, "exports": ["hf"],
         "seconds": {"load": round(t1 - t0, 3), "calibrate": round(t2 - t1, 3), "export": round(t3 - t2, 3)},
         "log": library_log.getvalue().splitlines()[-50:],
-        "hf_quant_config": json.loads((out_dir / "hf" / "hf_quant_config.json").read_text()),
+        "hf_quant_config": json.loads(hf_quant.read_text()) if hf_quant.is_file() else
+        json.loads((out_dir / "hf" / "config.json").read_text()).get("quantization_config"),
     }
     (out_dir / "quantize.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+def export_trtllm_checkpoint(checkpoint_dir: Path, quantized_dir: Path, spec: BuildSpec, out_dir: Path) -> dict:
+    """ModelOpt's TensorRT-LLM checkpoint (``config.json`` + ``rank{N}.safetensors``) from the saved calibration,
+    for ``trtllm-engine`` builds only. ``export_tensorrt_llm_checkpoint`` is deprecated upstream and goes away in
+    ModelOpt 0.49: the TensorRT-LLM 1.2.x release container's ModelOpt still has it."""
+    try:
+        from modelopt.torch.export import export_tensorrt_llm_checkpoint as export
+    except ImportError as exc:
+        raise StageFailed("this ModelOpt has no export_tensorrt_llm_checkpoint (removed in 0.49); trtllm-engine "
+                          "builds run in the TensorRT-LLM 1.2.x release container, whose ModelOpt has it") from exc
+    family = family_of(json.loads((checkpoint_dir / "config.json").read_text()))
+    device = _device(spec)
+    t0 = time.perf_counter()
+    library_log = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(library_log):
+        warnings.simplefilter("ignore")
+        model = restore_calibration(checkpoint_dir, quantized_dir / "calibration", device)
+        try:
+            export(model, family.trtllm_decoder, dtype=model.dtype, export_dir=out_dir,
+                   inference_tensor_parallel=spec.tp_size)
+        except Exception as exc:
+            raise StageFailed(f"ModelOpt's TensorRT-LLM export failed for {family.title}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    return {"decoder_type": family.trtllm_decoder, "seconds": round(time.perf_counter() - t0, 3),
+            "log": library_log.getvalue().splitlines()[-20:]}

@@ -1,8 +1,9 @@
 """Keys. Each is the sha256 of the canonical JSON of every input that can change the bytes it names.
 
 - ``quantize_key``: checkpoint content × precision × KV cache × calibration × quantizer toolchain. No batch
-  profile, so a profile-only change reuses the calibrated checkpoint.
-- ``compile_key``: quantize_key × profile × target × backend × compiler toolchain.
+  profile, backend, target or tensor-parallel size, so a profile-only or backend-only change reuses the
+  calibration.
+- ``compile_key``: quantize_key × profile × target × backend × tensor-parallel size × compiler toolchain.
 - ``build_key`` (the BuildKey): compile_key × evaluation data × effective gates × recipe version; equal key ⇒
   the existing artifact answers, no stage runs.
 
@@ -17,13 +18,15 @@ from kiln.digests import sha256_json
 from kiln.spec import BuildSpec
 
 # Bump when a stage's recipe changes in a way that changes its output bytes.
-RECIPE_VERSION = "kiln-recipe-1"
+# 2: the quantize stage exports the unified checkpoint and the calibration (no TensorRT-LLM checkpoint); engines
+#    are transformers' model of the family.
+RECIPE_VERSION = "kiln-recipe-2"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str) -> str:
     return sha256_json({
         "stage": "quantize", "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest,
-        "precision": spec.precision, "kv_cache": spec.kv_cache, "tp_size": spec.tp_size,
+        "precision": spec.precision, "kv_cache": spec.kv_cache,
         "calibration": spec.calibration.model_dump(exclude={"dataset"}), "calibration_data": calibration_data,
         "toolchain": {k: toolchain.get(k) for k in ("torch", "modelopt", "transformers")},
     })
@@ -33,7 +36,7 @@ def compile_key(qkey: str, spec: BuildSpec, toolchain: dict[str, str]) -> str:
     return sha256_json({
         "stage": "compile", "recipe": RECIPE_VERSION, "quantize": qkey,
         "profile": spec.batch_profile.limits(), "target": spec.target, "backend": spec.backend,
-        "toolchain": toolchain,
+        "tp_size": spec.tp_size, "toolchain": toolchain,
     })
 
 

@@ -1,12 +1,13 @@
-"""Reading ModelOpt's unified Hugging Face checkpoint (``hf_quant_config.json`` + safetensors) back into
-dequantized float32 weights and the per-layer activation scales, so an engine or a validator can reproduce the
-exported numerics without ModelOpt (whose NVFP4 forward needs CUDA).
+"""Reading ModelOpt's unified Hugging Face checkpoint back: every tensor, the quantized linear weights
+dequantized by their precision (kiln/precisions.py), the activation ``input_scale`` of each quantized linear, and
+the KV-cache scales — so an engine or a validator reproduces the exported numerics without ModelOpt (whose NVFP4
+forward needs CUDA).
 
-Formats, as ModelOpt 0.47 writes them:
-- FP8: ``weight`` float8_e4m3fn, ``weight_scale`` fp32 (per tensor), ``input_scale`` fp32. value = w × scale.
-- NVFP4: ``weight`` uint8 with two e2m1 values per byte, the LOW nibble holding the first element;
-  ``weight_scale`` float8_e4m3fn, one per 16 inputs; ``weight_scale_2`` fp32 global (amax / (6 × 448));
-  ``input_scale`` fp32 global for activations. value = e2m1 × weight_scale × weight_scale_2.
+The quantization block is read from ``config.json`` (``quantization_config``, where newer ModelOpt releases write
+it) or ``hf_quant_config.json`` (``quantization``, which ModelOpt plans to retire); either is enough. Sharded
+checkpoints are read through ``model.safetensors.index.json`` when there is one: a shard it names must exist.
+Every tensor is accounted for: a weight, bias or norm goes into the state dict; a scale is consumed by the weight it
+scales; a tensor that is neither is an error rather than dropped.
 """
 
 from __future__ import annotations
@@ -18,90 +19,93 @@ from pathlib import Path
 import torch
 
 from kiln.errors import StageFailed
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-NVFP4_GROUP = 16
-FP8_MAX = 448.0
-
-
-def e2m1_table() -> torch.Tensor:
-    """Lookup for a 4-bit code: bit 3 is the sign, bits 0–2 index E2M1_VALUES."""
-    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    return torch.cat([mags, -mags])
-
-
-def unpack_nvfp4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n/2] → float32 e2m1 values [..., n]; the low nibble is the first element."""
-    table = e2m1_table()
-    low = table[(packed & 0x0F).long()]
-    high = table[(packed >> 4).long()]
-    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    values = unpack_nvfp4(packed)
-    out_f, in_f = values.shape
-    blocks = values.reshape(out_f, in_f // NVFP4_GROUP, NVFP4_GROUP)
-    scaled = blocks * block_scale.float().unsqueeze(-1) * global_scale.float()
-    return scaled.reshape(out_f, in_f)
-
-
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return weight.float() * scale.float()
+from kiln.precisions import BY_QUANT_ALGO, KV_SCALE_SUFFIXES, Precision
 
 
 @dataclass
-class QuantizedCheckpoint:
-    """A unified HF checkpoint, dequantized: what an engine built from it must compute."""
+class ExportedCheckpoint:
+    """A checkpoint as an engine built from it must compute it."""
 
-    config: dict
-    quant_algo: str | None  # "FP8", "NVFP4" or None for an unquantized checkpoint
+    config: dict  # config.json without its quantization block
+    precision: Precision | None  # None: an unquantized checkpoint
     kv_cache_quant_algo: str | None
-    weights: dict[str, torch.Tensor]  # float32, Hugging Face parameter names
+    state: dict[str, torch.Tensor]  # checkpoint names → float32 (quantized weights dequantized)
     input_scales: dict[str, float] = field(default_factory=dict)  # linear module name → activation scale
+    kv_scales: dict[str, float] = field(default_factory=dict)
+    quantized: list[str] = field(default_factory=list)  # modules whose weight was stored quantized
+
+    @property
+    def quant_algo(self) -> str | None:
+        return self.precision.quant_algo if self.precision else None
 
 
-def _load_state(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def quantization_block(directory: Path, config: dict) -> dict:
+    """``{quant_algo, kv_cache_quant_algo, …}`` from config.json or hf_quant_config.json ({} when unquantized)."""
+    block = dict(config.get("quantization_config") or {})
+    legacy = directory / "hf_quant_config.json"
+    if legacy.is_file():
+        old = json.loads(legacy.read_text()).get("quantization") or {}
+        block = {**old, **{k: v for k, v in block.items() if v is not None}}
+    return block
 
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [n for n in names if not (directory / n).is_file()]
+        if missing:
+            raise StageFailed(f"{directory} lacks the shards its index names: {', '.join(missing[:3])}")
+        return [directory / n for n in names]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise StageFailed(f"no .safetensors files in {directory}")
+    return files
+
+
+def load_raw(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in safetensors_files(Path(directory)):
         state.update(load_file(str(f)))
     return state
 
 
-def load_quantized_checkpoint(directory: Path) -> QuantizedCheckpoint:
-    """Dequantize every quantized linear weight of the checkpoint in ``directory``."""
+def load_exported(directory: Path) -> ExportedCheckpoint:
+    """Read the checkpoint in ``directory`` (exported by ModelOpt, or an unquantized HF checkpoint)."""
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
-    qpath = directory / "hf_quant_config.json"
-    quant = json.loads(qpath.read_text())["quantization"] if qpath.exists() else {}
-    algo, kv_algo = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
-    if algo not in (None, "FP8", "NVFP4"):
-        raise StageFailed(f"quant_algo {algo!r} is not one Kiln reads (FP8, NVFP4)")
-    raw = _load_state(directory)
-    weights: dict[str, torch.Tensor] = {}
-    scales: dict[str, float] = {}
+    block = quantization_block(directory, config)
+    algo = block.get("quant_algo")
+    if algo is not None and algo not in BY_QUANT_ALGO:
+        raise StageFailed(f"quant_algo {algo!r} is not one Kiln reads ({', '.join(BY_QUANT_ALGO)})")
+    precision = BY_QUANT_ALGO.get(algo) if algo else None
+    raw = load_raw(directory)
+    scale_suffixes = precision.scale_suffixes if precision else ()
+    state: dict[str, torch.Tensor] = {}
+    ckpt = ExportedCheckpoint({k: v for k, v in config.items() if k != "quantization_config"}, precision,
+                              block.get("kv_cache_quant_algo"), state)
+    consumed: set[str] = set()
     for name, tensor in raw.items():
-        if not name.endswith(".weight"):
-            continue
-        module = name[: -len(".weight")]
-        if algo == "NVFP4" and tensor.dtype == torch.uint8:
-            weights[name] = dequantize_nvfp4(tensor, raw[f"{module}.weight_scale"], raw[f"{module}.weight_scale_2"])
-        elif algo == "FP8" and tensor.dtype == torch.float8_e4m3fn:
-            weights[name] = dequantize_fp8(tensor, raw[f"{module}.weight_scale"])
-        else:
-            weights[name] = tensor.float()
-        if f"{module}.input_scale" in raw:
-            scales[module] = float(raw[f"{module}.input_scale"].float().item())
-    return QuantizedCheckpoint(config, algo, kv_algo, weights, scales)
-
-
-def load_reference_checkpoint(directory: Path) -> QuantizedCheckpoint:
-    """The unquantized checkpoint in the same shape (float32 weights, no scales)."""
-    directory = Path(directory)
-    config = json.loads((directory / "config.json").read_text())
-    return QuantizedCheckpoint(config, None, None, {k: v.float() for k, v in _load_state(directory).items()})
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and precision is not None:
+            value = precision.dequantize(raw, module)
+            if value is not None:
+                state[name] = value
+                ckpt.quantized.append(module)
+                consumed |= {f"{module}.{s}" for s in scale_suffixes if s != "input_scale"}
+                continue
+        if leaf == "input_scale":
+            ckpt.input_scales[module] = float(tensor.float().item())
+            consumed.add(name)
+        elif any(name.endswith("." + s) for s in KV_SCALE_SUFFIXES):
+            ckpt.kv_scales[name] = float(tensor.float().reshape(-1)[0].item())
+            consumed.add(name)
+        elif leaf not in ("weight_scale", "weight_scale_2"):
+            state[name] = tensor.float()
+    orphans = sorted(n for n in raw if n not in state and n not in consumed)
+    if orphans:
+        raise StageFailed(f"{len(orphans)} exported tensors belong to no quantized weight (e.g. {orphans[0]}); "
+                          "the checkpoint is damaged or in a format Kiln does not read")
+    return ckpt

@@ -10,11 +10,12 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kiln.backends import BACKENDS
 from kiln.errors import SpecError
+from kiln.families import family_of
+from kiln.precisions import PRECISIONS
 
-PRECISIONS = ("fp8", "nvfp4")
 KV_CACHES = ("none", "fp8")
-BACKENDS = ("aot-inductor", "checkpoint", "trtllm-engine")
 GPU_ARCHS = {"sm89": 89, "sm90": 90, "sm100": 100, "sm120": 120}
 GPU_NAMES = {
     "l4": "sm89", "l40": "sm89", "l40s": "sm89", "rtx4090": "sm89", "rtx6000ada": "sm89",
@@ -248,23 +249,49 @@ def _rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
 
 
 def _target_rules(d: dict[str, Any]) -> list[dict]:
-    errs, target, backend, precision = [], d["target"], d["backend"], d["precision"]
+    """The backend's and the precision's rules (their descriptors say what they need)."""
+    if d["backend"] not in BACKENDS or d["precision"] not in PRECISIONS:
+        return []  # already reported
+    errs, target, backend, precision = [], d["target"], BACKENDS[d["backend"]], PRECISIONS[d["precision"]]
     sm = GPU_ARCHS.get(target)
-    if backend == "trtllm-engine" and target == "cpu":
-        errs.append(_bad("target", "a TensorRT-LLM engine needs a GPU target",
-                         "use --target sm89|sm90|sm100|sm120 (or a GPU name), or --backend aot-inductor for cpu"))
-    if precision == "fp8" and sm is not None and sm < 89:
-        errs.append(_bad("precision", f"FP8 needs sm89+, target is sm{sm}", "use a newer GPU target"))
-    if backend == "trtllm-engine" and precision == "nvfp4" and sm is not None and sm < 100:
-        errs.append(_bad("target", f"an NVFP4 TensorRT-LLM engine needs sm100+ (Blackwell), target is {target}",
-                         "use --target sm100 or sm120, or --precision fp8, or --backend checkpoint"))
-    if d["tp_size"] > 1 and backend != "trtllm-engine":
-        errs.append(_bad("tp_size", f"tensor parallelism is only for trtllm-engine builds, backend is {backend}",
-                         "use --tp 1, or --backend trtllm-engine"))
-    if d["kv_cache"] == "fp8" and backend == "aot-inductor":
-        errs.append(_bad("kv_cache", "aot-inductor engines have no KV cache to quantize",
-                         "use --kv-cache none, or --backend checkpoint / trtllm-engine"))
+    gpu_backends = [b.name for b in BACKENDS.values() if not b.gpu_only]
+    if backend.gpu_only and target == "cpu":
+        errs.append(_bad("target", f"a {backend.name} build needs a GPU target",
+                         f"use --target sm89|sm90|sm100|sm120 (or a GPU name), or --backend {' / '.join(gpu_backends)} for cpu"))
+    if sm is not None and sm < precision.min_sm:
+        errs.append(_bad("precision", f"{precision.name} needs sm{precision.min_sm}+, target is sm{sm}",
+                         "use a newer GPU target"))
+    elif (gap := backend.precision_gap(precision, sm)) is not None:
+        others = [b.name for b in BACKENDS.values() if b.precision_gap(precision, sm) is None]
+        errs.append(_bad("target", f"{gap}, target is {target}",
+                         f"use a newer target, another precision, or --backend {' / '.join(others)}"))
+    if d["tp_size"] > 1 and not backend.tensor_parallel:
+        tp = [b.name for b in BACKENDS.values() if b.tensor_parallel]
+        errs.append(_bad("tp_size", f"tensor parallelism is only for {' / '.join(tp)} builds, backend is {backend.name}",
+                         f"use --tp 1, or --backend {' / '.join(tp)}"))
+    if d["kv_cache"] == "fp8" and not backend.kv_cache_quant:
+        kv = [b.name for b in BACKENDS.values() if b.kv_cache_quant]
+        errs.append(_bad("kv_cache", f"{backend.name} engines have no KV cache to quantize",
+                         f"use --kv-cache none, or --backend {' / '.join(kv)}"))
     return errs
+
+
+def check_model(spec: BuildSpec, config: dict) -> None:
+    """Rules that need the checkpoint's config.json (its family, its positions); checked before any work, by
+    the API before it enqueues and by the CLI before it quantizes."""
+    if not config.get("architectures"):
+        raise SpecError("the checkpoint's config.json has no 'architectures'", field="checkpoint",
+                        fix="set architectures (e.g. [\"LlamaForCausalLM\"]) in config.json")
+    family = family_of(config)
+    backend = BACKENDS[spec.backend]
+    if (gap := backend.family_gap(family)) is not None:
+        others = [b.name for b in BACKENDS.values() if b.family_gap(family) is None]
+        raise SpecError(f"{family.title} is not supported by the {backend.name} backend: {gap}", field="checkpoint",
+                        fix=f"use --backend {' or '.join(others)} for {family.title}")
+    positions = int(config.get("max_position_embeddings") or 0)
+    if positions and spec.batch_profile.max_seq_len > positions:
+        raise SpecError(f"{spec.batch_profile.max_seq_len} exceeds the model's {positions} positions",
+                        field="profile.max_seq_len", fix=f"use max_seq_len ≤ {positions}")
 
 
 def _type_errors(exc: ValidationError) -> list[dict]:

@@ -76,14 +76,15 @@ def _toolchain_for(backend: str, target: str) -> dict[str, str]:
         "modelopt": _version("nvidia-modelopt") or ABSENT,
         "transformers": _version("transformers") or ABSENT,
     }
+    from kiln.backends import get_backend_info
+
     if target == "cpu":
         tc["cpu"] = f"{platform.machine()}-{cpu_capability()}"
-    elif backend == "aot-inductor":
-        tc["cuda"] = str(torch.version.cuda)
-    if backend == "trtllm-engine":
-        tc["tensorrt_llm"] = tensorrt_llm_version() or ABSENT
-        tc["tensorrt"] = tensorrt_version() or ABSENT
-        tc["cuda"] = str(torch.version.cuda)
+    readers = {"tensorrt_llm": lambda: tensorrt_llm_version() or ABSENT, "tensorrt": lambda: tensorrt_version() or ABSENT,
+               "cuda": lambda: str(torch.version.cuda)}
+    for name in get_backend_info(backend).toolchain:  # what binds this backend's output (its descriptor says)
+        if name != "cuda" or target != "cpu" or get_backend_info(backend).gpu_only:
+            tc[name] = readers[name]()
     return tc
 
 

@@ -19,10 +19,10 @@ import math
 import os
 from typing import Callable
 
-DEFAULT_GATES: dict[str, dict[str, float]] = {
-    "fp8": {"max_ppl_increase_pct": 3.0, "min_top1_agreement": 0.85, "max_mean_kl": 0.05, "min_throughput_tps": 1.0},
-    "nvfp4": {"max_ppl_increase_pct": 15.0, "min_top1_agreement": 0.70, "max_mean_kl": 0.25, "min_throughput_tps": 1.0},
-}
+from kiln.precisions import PRECISIONS
+
+#: each precision's defaults, as its descriptor (kiln/precisions.py) states them
+DEFAULT_GATES: dict[str, dict[str, float]] = {name: dict(p.gates) for name, p in PRECISIONS.items()}
 REGRESSION_DEFAULTS: dict[str, float] = {"max_throughput_drop_pct": 20.0, "max_accuracy_regression_pct": 1.0}
 REGRESSION_GATES = tuple(REGRESSION_DEFAULTS)
 MEMORY_GATE = "max_peak_memory_bytes"

@@ -290,7 +290,7 @@ def _memory_probe(job: dict) -> dict:
     import importlib
 
     torch.set_num_threads(int(job["threads"]))
-    for module in ("torch._inductor", "kiln.llama", "kiln.quantformat"):  # the runtime's code, not the engine:
+    for module in ("torch._inductor", "kiln.hfmodel", "kiln.quantformat"):  # the runtime's code, not the engine:
         importlib.import_module(module)                                     # loaded before the baseline
     from validation.runners import open_engine
 

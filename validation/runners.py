@@ -1,9 +1,11 @@
 """Loading artifacts the way a deployer loads them, behind one small interface (token ids in, logits out).
 
 - ``aot-inductor``: the compiled ``model.pt2`` through ``torch._inductor.aoti_load_package``.
-- ``checkpoint``: the exported unified HF checkpoint, dequantized from its own tensors (ModelOpt's NVFP4
-  forward needs CUDA, the exported tensors do not).
+- ``checkpoint``: the exported unified HF checkpoint as its consumers load it — transformers' implementation of
+  its family, weights dequantized from its own tensors, activation quantization emulated from its scales
+  (kiln/hfmodel.py; ModelOpt's NVFP4 forward needs CUDA, the exported tensors do not).
 - reference: the unquantized checkpoint through transformers, in float32.
+Which runner a backend's artifacts load with is its descriptor's (kiln/backends.py).
 - ``trtllm-engine``: the TensorRT-LLM runtime (the LLM API over the engine dir) and ``trtllm-bench``; GPU workers only.
 """
 
@@ -44,16 +46,17 @@ class AOTInductorRunner:
         return (out[0] if isinstance(out, (list, tuple)) else out).float().cpu()
 
 
-class DequantizedCheckpointRunner:
+class CheckpointRunner:
+    """An exported checkpoint (or an unquantized one) as transformers computes it from its own tensors."""
+
     kv_cache = False
 
-    def __init__(self, checkpoint_dir: Path, *, reference: bool = False):
-        from kiln.llama import KilnLlama
-        from kiln.quantformat import load_quantized_checkpoint, load_reference_checkpoint
+    def __init__(self, checkpoint_dir: Path):
+        from kiln.hfmodel import LogitsOnly, load_engine_model
 
         self.device = "cpu"
-        load = load_reference_checkpoint if reference else load_quantized_checkpoint
-        self._model = KilnLlama(load(checkpoint_dir)).eval()
+        self.built = load_engine_model(checkpoint_dir)
+        self._model = LogitsOnly(self.built.model).eval()
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -349,13 +352,11 @@ class TRTLLMRunner:
 
 
 def open_engine(backend: str, engine_dir: Path) -> Runner:
-    if backend == "aot-inductor":
-        return AOTInductorRunner(engine_dir)
-    if backend == "checkpoint":
-        return DequantizedCheckpointRunner(engine_dir)
-    if backend == "trtllm-engine":
-        return TRTLLMRunner(engine_dir)
-    raise StageFailed(f"no runner for backend {backend!r}")
+    from kiln.backends import BACKENDS
+
+    if backend not in BACKENDS:
+        raise StageFailed(f"no runner for backend {backend!r}")
+    return BACKENDS[backend].load("runner")(engine_dir)
 
 
 def open_reference(checkpoint_dir: Path) -> Runner:

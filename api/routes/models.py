@@ -32,6 +32,14 @@ def refresh_read(r) -> dict:
     return {"model": model_read(r.model), "moved": r.moved, "previous_head": r.old_head, "builds": builds}
 
 
+@router.get("/v1/support")
+def support():
+    """The support matrix: family × precision × backend, with the reason for each gap (as `kiln models`)."""
+    from kiln.backends import support_matrix
+
+    return {"support": support_matrix()}
+
+
 @router.put("/v1/models/{model:path}")
 def put_model(model: str, request: Request, settings: SettingsDep, sessions: SessionsDep, body: Any = Body(None)):
     """Track a model: {"checkpoint": "hf://org/name@branch", "matrix": [{precision, profile, target, backend}]}."""

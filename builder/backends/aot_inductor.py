@@ -1,6 +1,7 @@
-"""``aot-inductor``: a portable engine. The Llama is rebuilt from the exported (dequantized) checkpoint with
-activation quantization emulated from the exported scales, exported with ``torch.export`` with the batch
-profile as dynamic-shape ranges, and compiled ahead of time by AOTInductor into ``model.pt2``.
+"""``aot-inductor``: a portable engine. transformers' own model of the checkpoint's family is built from the
+exported checkpoint (weights dequantized, activation quantization emulated from the exported scales: kiln/hfmodel.py),
+exported with ``torch.export`` with the batch profile's limits as dynamic-shape ranges (no KV cache), and compiled
+ahead of time by AOTInductor into ``model.pt2``.
 
 ModelOpt's quantized module itself cannot be exported (fake tensors, data-dependent guards), hence the rebuild.
 """
@@ -16,8 +17,7 @@ import torch
 
 from builder.backends.base import Backend
 from kiln.errors import StageFailed
-from kiln.llama import KilnLlama
-from kiln.quantformat import load_quantized_checkpoint
+from kiln.hfmodel import LogitsOnly, load_engine_model
 from kiln.spec import BuildSpec
 
 ENGINE_FORMAT = "kiln-aot-inductor/1"
@@ -35,12 +35,12 @@ def _dims(spec: BuildSpec):
 
 class AOTInductorBackend(Backend):
     name = "aot-inductor"
-    consumes = "hf"
 
     def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
         p = spec.batch_profile
         return {"commands": [], "steps": [
-            f"rebuild Llama from {quantized_dir / 'hf'} (dequantized {spec.precision} weights, activation quant emulated)",
+            f"build transformers' model of the family from {quantized_dir / 'hf'} (dequantized {spec.precision} "
+            "weights, activation quant emulated)",
             f"torch.export.export(model, dynamic_shapes={{batch: 1..{p.max_batch_size}, seq: 1..{p.max_seq_len}}})",
             f"torch._inductor.aoti_compile_and_package(exported, package_path={out_dir / 'model.pt2'})"
             f"  # device {'cuda' if spec.target != 'cpu' else 'cpu'}",
@@ -53,21 +53,23 @@ class AOTInductorBackend(Backend):
             raise ToolchainMissing(f"an aot-inductor engine for {spec.target} must be compiled on a CUDA GPU of that "
                                    "architecture; this machine has none", fix="run it on a GPU worker or use --target cpu")
 
-    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
+    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path, *, checkpoint_dir: Path) -> dict:
         self.check_environment(spec)
         device = "cpu" if spec.target == "cpu" else "cuda"
         t0 = time.perf_counter()
-        ckpt = load_quantized_checkpoint(quantized_dir / "hf")
+        built = load_engine_model(quantized_dir / "hf")
+        ckpt = built.checkpoint
         positions = int(ckpt.config.get("max_position_embeddings", 0))
         if spec.batch_profile.max_seq_len > positions:
             raise StageFailed(f"profile max_seq_len {spec.batch_profile.max_seq_len} exceeds the model's {positions} positions")
-        model = KilnLlama(ckpt).eval().to(device)
+        model = LogitsOnly(built.model).eval().to(device)
         batch, seq = _dims(spec)
         example = torch.zeros((2 if spec.batch_profile.max_batch_size > 1 else 1, 8), dtype=torch.long, device=device)
         t1 = time.perf_counter()
         try:
             with torch.no_grad():
-                exported = torch.export.export(model, (example,), dynamic_shapes={"input_ids": {0: batch, 1: seq}})
+                exported = torch.export.export(model, (example,), dynamic_shapes={"input_ids": {0: batch, 1: seq}},
+                                               strict=False)
             t2 = time.perf_counter()
             out_dir.mkdir(parents=True)
             with torch.no_grad():
@@ -75,13 +77,15 @@ class AOTInductorBackend(Backend):
         except Exception as exc:
             raise StageFailed(f"AOTInductor compile failed: {type(exc).__name__}: {exc}") from exc
         t3 = time.perf_counter()
-        for name in TOKENIZER_FILES + ("config.json", "hf_quant_config.json"):
+        for name in TOKENIZER_FILES + ("config.json", "hf_quant_config.json", "generation_config.json"):
             if (quantized_dir / "hf" / name).exists():
                 shutil.copy2(quantized_dir / "hf" / name, out_dir / name)
         p = spec.batch_profile
         engine = {
             "format": ENGINE_FORMAT, "device": device, "target": spec.target, "precision": spec.precision,
+            "family": built.family.name, "model_class": type(built.model).__name__,
             "quant_algo": ckpt.quant_algo, "activation_quant_emulated": ckpt.quant_algo is not None,
+            "emulation": built.emulation,
             "kv_cache": "none (full-sequence forward, no KV cache)",
             "input": {"name": "input_ids", "dtype": "int64", "shape": [f"1..{p.max_batch_size}", f"1..{p.max_seq_len}"]},
             "output": {"name": "logits", "dtype": "float32", "shape": ["batch", "seq", int(ckpt.config["vocab_size"])]},

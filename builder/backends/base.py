@@ -1,17 +1,21 @@
-"""The backend seam: how a quantized checkpoint becomes the artifact a deployer loads."""
+"""The backend seam: how a quantized checkpoint becomes the artifact a deployer loads. Each implementation is
+named by its descriptor in kiln/backends.py, which owns the backend's rules and what it supports."""
 
 from __future__ import annotations
 
 import abc
 from pathlib import Path
 
+from kiln.backends import get_backend_info
 from kiln.spec import BuildSpec
 
 
 class Backend(abc.ABC):
     name: str
-    #: which export of the quantize stage this backend consumes: "hf" (unified) or "trtllm"
-    consumes: str
+
+    @property
+    def info(self):
+        return get_backend_info(self.name)
 
     @abc.abstractmethod
     def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
@@ -21,5 +25,7 @@ class Backend(abc.ABC):
         """Raise ToolchainMissing when this machine cannot build ``spec`` with this backend."""
 
     @abc.abstractmethod
-    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
-        """Build the engine directory ``out_dir`` (absent on entry). Returns the stage's record."""
+    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path, *, checkpoint_dir: Path) -> dict:
+        """Build the engine directory ``out_dir`` (absent on entry) from the quantize stage's output
+        ``quantized_dir`` (and the source checkpoint, for exports made from the saved calibration). Returns the
+        stage's record."""

@@ -1,5 +1,6 @@
 """``checkpoint``: the quantized unified Hugging Face checkpoint itself, for runtimes that load it directly
-(TensorRT-LLM's PyTorch backend, vLLM, SGLang). No compile step; validated the same way as engines."""
+(TensorRT-LLM's PyTorch backend, vLLM, SGLang). No compile step; validated by loading the exported checkpoint
+with transformers' implementation of its family (validation/runners.py ``CheckpointRunner``)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ ENGINE_FORMAT = "kiln-hf-checkpoint/1"
 
 class CheckpointBackend(Backend):
     name = "checkpoint"
-    consumes = "hf"
 
     def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
         return {"commands": [], "steps": [f"copy {quantized_dir / 'hf'} to {out_dir} (no compile)"]}
 
-    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
+    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path, *, checkpoint_dir: Path) -> dict:
         shutil.copytree(quantized_dir / "hf", out_dir)
         engine = {"format": ENGINE_FORMAT, "precision": spec.precision, "kv_cache": spec.kv_cache,
                   "profile": spec.batch_profile.model_dump(), "target": spec.target}

@@ -1,6 +1,8 @@
 """``trtllm-engine``: a TensorRT-LLM engine directory (``config.json`` + ``rank{N}.engine``) built by
 ``trtllm-build`` (TensorRT-LLM 1.2.x, the last line with the TensorRT-engine path) from ModelOpt's TensorRT-LLM
-checkpoint (``<quantized>/trtllm``: config.json + rank{N}.safetensors, TP mapping from ``spec.tp_size``).
+checkpoint (config.json + rank{N}.safetensors, TP mapping from ``spec.tp_size``), which compile exports from the
+quantize stage's saved calibration (builder/quantize.py ``export_trtllm_checkpoint``): the calibration is shared
+with every other backend, and only this backend pays for the deprecated exporter.
 
 It runs only on a GPU worker with TensorRT-LLM installed (NVIDIA's release container) and a GPU of the target
 SM: ``trtllm-build`` compiles for the GPU it runs on, and the engine loads only there and only with the TensorRT
@@ -37,11 +39,12 @@ from pathlib import Path
 
 from builder.backends.base import Backend
 from kiln.errors import SpecError, StageFailed, ToolchainMissing
+from kiln.precisions import get_precision
 from kiln.spec import BuildSpec
 from kiln.toolchain import detect_gpus, gpus_of, tensorrt_llm_version
 
 ENGINE_FORMAT = "kiln-trtllm-engine/1"
-QUANT_ALGO = {"fp8": "FP8", "nvfp4": "NVFP4"}
+#: ``--gemm_plugin`` per precision (see the module docstring for why)
 GEMM_PLUGIN = {"fp8": "auto", "nvfp4": "nvfp4"}
 INSTALL_HINT = ("GPU workers get it from NVIDIA's TensorRT-LLM 1.2.x release container "
                 "(nvcr.io/nvidia/tensorrt-llm/release:1.2.1); see docs/gpu.md")
@@ -115,8 +118,9 @@ def check_engine_config(config: dict, spec: BuildSpec) -> list[str]:
     problems = []
     pretrained, build = config.get("pretrained_config", {}) or {}, config.get("build_config", {}) or {}
     quant = pretrained.get("quantization", {}) or {}
-    if quant.get("quant_algo") != QUANT_ALGO[spec.precision]:
-        problems.append(f"quant_algo is {quant.get('quant_algo')!r}, spec asks {QUANT_ALGO[spec.precision]!r}")
+    want_algo = get_precision(spec.precision).quant_algo
+    if quant.get("quant_algo") != want_algo:
+        problems.append(f"quant_algo is {quant.get('quant_algo')!r}, spec asks {want_algo!r}")
     want_kv = "FP8" if spec.kv_cache == "fp8" else None
     if quant.get("kv_cache_quant_algo") != want_kv:
         problems.append(f"kv_cache_quant_algo is {quant.get('kv_cache_quant_algo')!r}, spec asks {want_kv!r}")
@@ -233,21 +237,26 @@ def _tail(text: str, n: int = 3) -> str:
     return " | ".join(lines[-n:])
 
 
+def trtllm_checkpoint_dir(out_dir: Path) -> Path:
+    return out_dir.with_name(out_dir.name + ".trtllm-checkpoint")
+
+
 class TRTLLMBackend(Backend):
     name = "trtllm-engine"
-    consumes = "trtllm"
 
     def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
         p = spec.batch_profile
         return {
-            "commands": [build_argv(spec, quantized_dir / "trtllm", out_dir)],
+            "commands": [build_argv(spec, trtllm_checkpoint_dir(out_dir), out_dir)],
             "profile": p.model_dump(), "precision": spec.precision, "kv_cache": spec.kv_cache,
             "tp_size": spec.tp_size, "target": spec.target,
-            "quantization": {"quant_algo": QUANT_ALGO[spec.precision],
+            "quantization": {"quant_algo": get_precision(spec.precision).quant_algo,
                              "kv_cache_quant_algo": "FP8" if spec.kv_cache == "fp8" else None},
             "plugins": dict(plugin_flags(spec)),
             "steps": [
                 f"check: TensorRT-LLM installed, ≥ {spec.tp_size} visible {spec.target} GPU(s) (NVML)",
+                f"export ModelOpt's TensorRT-LLM checkpoint (tp {spec.tp_size}) from the saved calibration in "
+                f"{quantized_dir / 'calibration'} to {trtllm_checkpoint_dir(out_dir)}",
                 f"run the command (into a staging folder renamed to the output when verified) with "
                 f"CUDA_VISIBLE_DEVICES set to the {spec.target} GPUs "
                 f"(max_batch_size {p.max_batch_size}, max_input_len {p.max_input_len}, max_seq_len {p.max_seq_len}, "
@@ -263,18 +272,25 @@ class TRTLLMBackend(Backend):
         check_toolchain()
         check_gpus(spec, detect_gpus())
 
-    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
+    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path, *, checkpoint_dir: Path) -> dict:
         check_toolchain()
         gpus = check_gpus(spec, detect_gpus())
         env = gpu_env(gpus[: max(spec.tp_size, 1)])
+        from builder.quantize import export_trtllm_checkpoint
+
+        trtllm_dir = trtllm_checkpoint_dir(out_dir)
+        shutil.rmtree(trtllm_dir, ignore_errors=True)
+        exported = export_trtllm_checkpoint(checkpoint_dir, quantized_dir, spec, trtllm_dir)
         staging = out_dir.with_name(out_dir.name + ".trtllm-build")
         shutil.rmtree(staging, ignore_errors=True)
-        argv = build_argv(spec, quantized_dir / "trtllm", staging)
+        argv = build_argv(spec, trtllm_dir, staging)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, env=env)
         except OSError as exc:
             raise ToolchainMissing(f"trtllm-build could not be started: {exc}", fix=INSTALL_HINT) from exc
+        finally:
+            shutil.rmtree(trtllm_dir, ignore_errors=True)
         seconds = time.perf_counter() - t0
         log_text = proc.stdout + proc.stderr
         try:
@@ -309,7 +325,9 @@ class TRTLLMBackend(Backend):
         build = config.get("build_config", {}) or {}
         return {
             "backend": self.name, "argv": argv, "engine_version": config.get("version"),
-            "seconds": {"trtllm_build": round(seconds, 3), "verify": round(t2 - t1, 3)},
+            "trtllm_checkpoint": {k: exported[k] for k in ("decoder_type", "log")},
+            "seconds": {"export_trtllm_checkpoint": exported["seconds"], "trtllm_build": round(seconds, 3),
+                        "verify": round(t2 - t1, 3)},
             "bindings": {"tensorrt_llm": bindings.get("tensorrt_llm") or installed, "tensorrt": bindings.get("tensorrt"),
                          "cuda": bindings.get("cuda"), "sm": bindings.get("sm") or spec.target,
                          "gpu": bindings.get("gpu"), "torch": bindings.get("torch"),

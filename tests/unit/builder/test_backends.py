@@ -31,9 +31,9 @@ def spec(**overrides):
 
 def test_backends_by_name():
     assert set(BACKENDS) == {"trtllm-engine", "aot-inductor", "checkpoint"}
-    assert isinstance(get_backend("trtllm-engine"), TRTLLMBackend) and TRTLLMBackend.consumes == "trtllm"
-    assert isinstance(get_backend("aot-inductor"), AOTInductorBackend) and AOTInductorBackend.consumes == "hf"
-    assert isinstance(get_backend("checkpoint"), CheckpointBackend) and CheckpointBackend.consumes == "hf"
+    assert isinstance(get_backend("trtllm-engine"), TRTLLMBackend) and get_backend("trtllm-engine").info.export == "trtllm"
+    assert isinstance(get_backend("aot-inductor"), AOTInductorBackend) and get_backend("aot-inductor").info.export == "hf"
+    assert isinstance(get_backend("checkpoint"), CheckpointBackend) and get_backend("checkpoint").info.export == "hf"
 
 
 # -- trtllm-build argv -----------------------------------------------------------------------------
@@ -91,10 +91,11 @@ def test_every_argv_element_is_a_string():
     assert all(isinstance(a, str) for a in build_argv(spec(kv_cache="fp8", tp_size=2, target="sm90"), CKPT_DIR, OUT_DIR))
 
 
-def test_trtllm_plan_is_the_argv_on_the_trtllm_export():
+def test_trtllm_plan_is_the_argv_on_the_trtllm_export_made_from_the_calibration():
     s = spec(profile="throughput")
     plan = TRTLLMBackend().plan(s, Path("/cache/q1"), OUT_DIR)
-    assert plan["commands"] == [build_argv(s, Path("/cache/q1/trtllm"), OUT_DIR)]
+    assert plan["commands"] == [build_argv(s, Path("/engines/e1.trtllm-checkpoint"), OUT_DIR)]
+    assert any("/cache/q1/calibration" in step for step in plan["steps"])
     assert all(isinstance(a, str) for cmd in plan["commands"] for a in cmd)
     assert plan["profile"] == PROFILES["throughput"].model_dump() and plan["tp_size"] == 1
     assert plan["plugins"] == {"--gemm_plugin": "auto"} and plan["steps"]
@@ -205,7 +206,7 @@ def test_trtllm_compile_without_tensorrt_llm_raises_toolchain_missing(tmp_path):
         pytest.skip("TensorRT-LLM is installed here")
     backend = TRTLLMBackend()
     with pytest.raises(ToolchainMissing) as info:
-        backend.compile(spec(), tmp_path / "q", tmp_path / "engine")
+        backend.compile(spec(), tmp_path / "q", tmp_path / "engine", checkpoint_dir=TINY)
     assert "TensorRT-LLM is not installed" in info.value.message
     assert "release" in info.value.fix and info.value.code == "toolchain_missing"
     with pytest.raises(ToolchainMissing):
@@ -232,7 +233,7 @@ def test_aot_inductor_gpu_target_without_cuda_is_toolchain_missing(tmp_path):
         pytest.skip("this machine has CUDA")
     s = spec(backend="aot-inductor", target="sm90")
     with pytest.raises(ToolchainMissing) as info:
-        AOTInductorBackend().compile(s, tmp_path / "q", tmp_path / "c")
+        AOTInductorBackend().compile(s, tmp_path / "q", tmp_path / "c", checkpoint_dir=TINY)
     assert "sm90" in info.value.message and info.value.fix
     AOTInductorBackend().check_environment(spec(backend="aot-inductor", target="cpu"))  # cpu is fine
 
@@ -241,7 +242,7 @@ def test_aot_inductor_refuses_a_profile_longer_than_the_model(nvfp4_export, tmp_
     prof = {"max_batch_size": 2, "max_input_len": 256, "max_seq_len": 1024, "max_num_tokens": 2048}  # model: 512
     s = spec(backend="aot-inductor", target="cpu", precision="nvfp4", profile=prof)
     with pytest.raises(StageFailed, match="1024"):
-        AOTInductorBackend().compile(s, nvfp4_export, tmp_path / "c")
+        AOTInductorBackend().compile(s, nvfp4_export, tmp_path / "c", checkpoint_dir=TINY)
     assert not (tmp_path / "c").exists()
 
 
@@ -251,7 +252,7 @@ def test_checkpoint_backend_copies_the_hf_export_and_writes_engine_json(nvfp4_ex
     out = tmp_path / "engine"
     backend = CheckpointBackend()
     assert str(nvfp4_export / "hf") in backend.plan(s, nvfp4_export, out)["steps"][0]
-    record = backend.compile(s, nvfp4_export, out)
+    record = backend.compile(s, nvfp4_export, out, checkpoint_dir=TINY)
     assert record["backend"] == "checkpoint"
     src = sorted(p.name for p in (nvfp4_export / "hf").iterdir())
     assert sorted(p.name for p in out.iterdir()) == sorted(src + ["engine.json"])

@@ -1,4 +1,5 @@
-"""quantize: ModelOpt PTQ of the tiny Llama, exported as the TensorRT-LLM and the unified HF checkpoint."""
+"""quantize: ModelOpt PTQ of the tiny Llama, exported as the unified HF checkpoint with its calibration saved (the
+TensorRT-LLM checkpoint is made from that calibration by the trtllm-engine backend; test_trtllm.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from safetensors.torch import load_file
 
 from builder.quantize import calibration_batches, quant_config, quantize
 from kiln.errors import SpecError
-from kiln.quantformat import dequantize_nvfp4, unpack_nvfp4
+from kiln.precisions import dequantize_nvfp4_tensor as dequantize_nvfp4
+from kiln.precisions import unpack_nvfp4
 from kiln.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[3]
@@ -93,12 +95,10 @@ def test_unsupported_model_type_is_refused_before_calibration(tmp_path):
 @pytest.mark.parametrize("precision, algo", [("fp8", "FP8"), ("nvfp4", "NVFP4")])
 def test_export_layout_and_quant_algo(request, precision, algo):
     out: Path = request.getfixturevalue(f"{precision}_export")
-    trt = json.loads((out / "trtllm" / "config.json").read_text())
-    assert trt["quantization"]["quant_algo"] == algo
-    assert trt["quantization"]["kv_cache_quant_algo"] is None
-    assert trt["mapping"]["tp_size"] == 1 and trt["architecture"] == "LlamaForCausalLM"
-    assert (out / "trtllm" / "rank0.safetensors").is_file()
-    assert not (out / "trtllm" / "rank1.safetensors").exists()
+    assert not (out / "trtllm").exists()  # only trtllm-engine builds export it, from the saved calibration
+    assert (out / "calibration" / "calibration.pt").is_file()
+    calib = torch.load(out / "calibration" / "calibration.pt", weights_only=False)
+    assert calib["quantizers"] and all("_quantizer." in k for k in calib["quantizers"])  # no weights
     hq = json.loads((out / "hf" / "hf_quant_config.json").read_text())
     assert hq["quantization"]["quant_algo"] == algo
     assert {"lm_head", "model.embed_tokens"} <= set(hq["quantization"]["exclude_modules"])
@@ -121,8 +121,6 @@ def test_fp8_weights_are_float8_with_fp32_scales(fp8_export, reference_state):
             assert (deq - ref).abs().max() <= ref.abs().max() / 16 + 1e-6  # FP8 e4m3: ≤ half a step of 3 bits
     assert state["lm_head.weight"].dtype == torch.float32  # left unquantized
     assert torch.equal(state["model.embed_tokens.weight"], reference_state["model.embed_tokens.weight"])
-    trt = load_file(str(fp8_export / "trtllm" / "rank0.safetensors"))
-    assert trt["transformer.layers.0.attention.qkv.weight"].dtype == torch.float8_e4m3fn
 
 
 def test_nvfp4_weights_are_packed_uint8_with_float8_block_scales(nvfp4_export, reference_state):
@@ -166,7 +164,8 @@ def test_quantize_record(fp8_export, nvfp4_export):
     for out, precision, algo in ((fp8_export, "fp8", "FP8"), (nvfp4_export, "nvfp4", "NVFP4")):
         record = json.loads((out / "quantize.json").read_text())
         assert record["precision"] == precision and record["kv_cache"] == "none"
-        assert record["device"] == "cpu" and record["decoder_type"] == "llama"
+        assert record["device"] == "cpu" and record["family"] == "llama"
+        assert record["exports"] == ["hf"]
         assert record["calibration"] == {"dataset": "kiln:calibration", "samples": 8, "seq_len": 64, "tokens": 512}
         assert record["quantized_linears"] == 4 * len(LINEARS)
         assert set(record["seconds"]) == {"load", "calibrate", "export"}

@@ -100,7 +100,7 @@ def test_plan_shows_the_command_and_the_profile_values():
     plan = TRTLLMBackend().plan(s, Path("/cache/q"), Path("/cache/c"))
     assert json.loads(json.dumps(plan)) == plan  # what `kiln build --dry-run --json` prints
     [argv] = plan["commands"]
-    assert argv == build_argv(s, Path("/cache/q/trtllm"), Path("/cache/c"))
+    assert argv == build_argv(s, Path("/cache/c.trtllm-checkpoint"), Path("/cache/c"))
     assert plan["profile"] == {"name": "balanced", "max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512,
                                "max_num_tokens": 2048}
     assert plan["tp_size"] == 2 and plan["target"] == "sm90" and plan["kv_cache"] == "fp8"
@@ -230,26 +230,22 @@ def stand_in(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def quantized(tmp_path):
-    """A quantize-stage folder shape: trtllm/ (unused by the stand-in) and hf/ with tokenizer files."""
-    q = tmp_path / "q"
-    (q / "trtllm").mkdir(parents=True)
-    (q / "hf").mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (q / "hf" / name).write_text((TINY / name).read_text() if (TINY / name).exists() else "{}")
-    (q / "hf" / "model.safetensors").write_bytes(b"weights are not copied")
-    return q
+def quantized(fp8_export):
+    """A real quantize-stage output of the tiny Llama (its saved calibration is what compile exports the
+    TensorRT-LLM checkpoint from, with the real ModelOpt exporter; only trtllm-build is a stand-in)."""
+    return fp8_export
 
 
 def test_compile_publishes_a_matching_engine_with_its_record(stand_in, quantized, tmp_path):
     s = spec(kv_cache="fp8", tp_size=2, model_name="acme/tiny")
     stand_in(engine_config(s))
     out = tmp_path / "engine"
-    record = TRTLLMBackend().compile(s, quantized, out)
+    record = TRTLLMBackend().compile(s, quantized, out, checkpoint_dir=TINY)
     assert sorted(p.name for p in out.iterdir()) == ["build.log", "config.json", "engine.json", "rank0.engine",
                                                      "rank1.engine", "tokenizer"]
-    assert sorted(p.name for p in (out / "tokenizer").iterdir()) == [
-        "config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in (out / "tokenizer").iterdir()) == sorted(
+        n for n in trtllm.TOKENIZER_FILES if (quantized / "hf" / n).is_file())
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (out / "tokenizer").iterdir()}
     assert "Total time of building all engines" in (out / "build.log").read_text()
     assert record["argv"][0] == "trtllm-build" and record["argv"][record["argv"].index("--workers") + 1] == "2"
     assert {k: record["bindings"][k] for k in ("tensorrt_llm", "tensorrt", "cuda", "sm", "gpu")} == {
@@ -262,6 +258,11 @@ def test_compile_publishes_a_matching_engine_with_its_record(stand_in, quantized
     assert engine["tokenizer"] == "tokenizer" and engine["tp_size"] == 2
     assert json.loads(json.dumps(record)) == record  # goes into provenance as JSON
     assert not (tmp_path / "engine.trtllm-build").exists()
+    # the TensorRT-LLM checkpoint was exported from the saved calibration by ModelOpt, handed to trtllm-build,
+    # and removed afterwards
+    assert record["trtllm_checkpoint"]["decoder_type"] == "llama" and record["seconds"]["export_trtllm_checkpoint"] > 0
+    argv_dir = Path(record["argv"][record["argv"].index("--checkpoint_dir") + 1])
+    assert argv_dir == tmp_path / "engine.trtllm-checkpoint" and not argv_dir.exists()
 
 
 def test_compile_refuses_an_engine_that_does_not_match_the_spec(stand_in, quantized, tmp_path):
@@ -269,7 +270,7 @@ def test_compile_refuses_an_engine_that_does_not_match_the_spec(stand_in, quanti
     stand_in(engine_config(spec(precision="nvfp4", target="sm100")))  # trtllm-build made something else
     out = tmp_path / "engine"
     with pytest.raises(StageFailed, match="does not match the spec") as info:
-        TRTLLMBackend().compile(s, quantized, out)
+        TRTLLMBackend().compile(s, quantized, out, checkpoint_dir=TINY)
     assert "quant_algo is 'NVFP4'" in info.value.message
     assert not out.exists() and not (tmp_path / "engine.trtllm-build").exists()
 
@@ -280,13 +281,13 @@ def test_compile_refuses_an_engine_from_another_tensorrt_llm(stand_in, quantized
     cfg["version"] = "1.2.0"
     stand_in(cfg)
     with pytest.raises(StageFailed, match="installed TensorRT-LLM"):
-        TRTLLMBackend().compile(s, quantized, tmp_path / "engine")
+        TRTLLMBackend().compile(s, quantized, tmp_path / "engine", checkpoint_dir=TINY)
 
 
 def test_compile_reports_trtllm_build_failure_with_its_last_lines(stand_in, quantized, tmp_path):
     stand_in({}, mode="fail")
     with pytest.raises(StageFailed, match="exited 1: .*Engine building failed"):
-        TRTLLMBackend().compile(spec(), quantized, tmp_path / "engine")
+        TRTLLMBackend().compile(spec(), quantized, tmp_path / "engine", checkpoint_dir=TINY)
     assert not (tmp_path / "engine").exists() and not (tmp_path / "engine.trtllm-build").exists()
 
 
@@ -294,7 +295,7 @@ def test_compile_checks_gpus_before_running_anything(stand_in, quantized, tmp_pa
     stand_in(engine_config(spec()))
     monkeypatch.setattr(trtllm, "detect_gpus", lambda: [gpu(0, sm="sm100", name="NVIDIA B200")])
     with pytest.raises(ToolchainMissing, match="must be built on a sm90 GPU"):
-        TRTLLMBackend().compile(spec(), quantized, tmp_path / "engine")
+        TRTLLMBackend().compile(spec(), quantized, tmp_path / "engine", checkpoint_dir=TINY)
     assert not (tmp_path / "engine.trtllm-build").exists()
 
 

@@ -77,10 +77,20 @@ def test_quantize_key_changes_with_quantize_inputs(make, overrides):
     assert quantize_key(CKPT_A, make(), TOOLCHAIN, CAL_DATA) != quantize_key(CKPT_A, make(**overrides), TOOLCHAIN, CAL_DATA)
 
 
-def test_quantize_key_changes_with_tensor_parallel_export(make):
+def test_tensor_parallel_size_is_a_compile_input_not_a_calibration_input(make):
+    """The TensorRT-LLM checkpoint (where tp_size matters) is exported at compile time from the shared
+    calibration, so tp_size keys the compile stage only."""
     a = make(backend="trtllm-engine", target="sm90")
     b = make(backend="trtllm-engine", target="sm90", tp_size=2)
-    assert quantize_key(CKPT_A, a, TOOLCHAIN, CAL_DATA) != quantize_key(CKPT_A, b, TOOLCHAIN, CAL_DATA)
+    qa, qb = quantize_key(CKPT_A, a, TOOLCHAIN, CAL_DATA), quantize_key(CKPT_A, b, TOOLCHAIN, CAL_DATA)
+    assert qa == qb
+    assert compile_key(qa, a, TOOLCHAIN) != compile_key(qb, b, TOOLCHAIN)
+
+
+@pytest.mark.parametrize("backend, target", [("checkpoint", "cpu"), ("trtllm-engine", "sm90"), ("aot-inductor", "sm90")])
+def test_every_backend_shares_one_calibration(make, backend, target):
+    base = quantize_key(CKPT_A, make(), TOOLCHAIN, CAL_DATA)
+    assert quantize_key(CKPT_A, make(backend=backend, target=target), TOOLCHAIN, CAL_DATA) == base
 
 
 def test_quantize_key_changes_with_calibration_data_and_checkpoint_digest(make):

@@ -11,10 +11,15 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.errors import StageFailed
-from kiln.quantformat import (
-    E2M1_VALUES, NVFP4_GROUP, dequantize_fp8, dequantize_nvfp4, e2m1_table, load_quantized_checkpoint,
-    load_reference_checkpoint, unpack_nvfp4,
-)
+from kiln.precisions import E2M1_VALUES, NVFP4_GROUP, e2m1_table, unpack_nvfp4
+from kiln.precisions import dequantize_nvfp4_tensor as dequantize_nvfp4
+from kiln.quantformat import load_exported
+
+
+def dequantize_fp8(w, scale):
+    from kiln.precisions import dequantize_fp8 as by_module
+
+    return by_module({"m.weight": w, "m.weight_scale": scale}, "m")
 
 
 def u8(*values: int) -> torch.Tensor:
@@ -81,52 +86,78 @@ def test_dequantize_fp8():
 
 
 # -- the checkpoint loader -------------------------------------------------------------------------
-def _write_checkpoint(directory: Path, algo: str | None, state: dict) -> Path:
+def _write_checkpoint(directory: Path, algo: str | None, state: dict, *, in_config: bool = False) -> Path:
     directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    if algo is not None:
+    config = {"model_type": "llama"}
+    if algo is not None and in_config:  # where newer ModelOpt writes the block
+        config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": algo}
+    elif algo is not None:
         (directory / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": algo}}))
+    (directory / "config.json").write_text(json.dumps(config))
     save_file(state, str(directory / "model.safetensors"))
     return directory
 
 
-def test_load_nvfp4_checkpoint_dequantizes_packed_weights(tmp_path):
+@pytest.mark.parametrize("in_config", [False, True])
+def test_load_nvfp4_checkpoint_dequantizes_packed_weights(tmp_path, in_config):
     state = {
         "layer.weight": torch.full((1, 8), 0x21, dtype=torch.uint8),
         "layer.weight_scale": torch.tensor([[2.0]]).to(torch.float8_e4m3fn),
         "layer.weight_scale_2": torch.tensor(0.5),
         "layer.input_scale": torch.tensor(0.125),
+        "layer.bias": torch.ones(1, dtype=torch.bfloat16),
         "norm.weight": torch.ones(4, dtype=torch.bfloat16),
     }
-    ckpt = load_quantized_checkpoint(_write_checkpoint(tmp_path / "c", "NVFP4", state))
+    ckpt = load_exported(_write_checkpoint(tmp_path / "c", "NVFP4", state, in_config=in_config))
     assert ckpt.quant_algo == "NVFP4" and ckpt.kv_cache_quant_algo is None
-    assert ckpt.weights["layer.weight"].tolist() == [[0.5, 1.0] * 8]
-    assert ckpt.weights["norm.weight"].dtype == torch.float32
-    assert ckpt.input_scales == {"layer": 0.125}
-    assert set(ckpt.weights) == {"layer.weight", "norm.weight"}
+    assert "quantization_config" not in ckpt.config
+    assert ckpt.state["layer.weight"].tolist() == [[0.5, 1.0] * 8]
+    assert ckpt.state["norm.weight"].dtype == torch.float32
+    assert ckpt.input_scales == {"layer": 0.125} and ckpt.quantized == ["layer"]
+    assert set(ckpt.state) == {"layer.weight", "layer.bias", "norm.weight"}  # biases and norms are kept
 
 
 def test_load_fp8_checkpoint(tmp_path):
     state = {"l.weight": torch.tensor([[2.0, -4.0]]).to(torch.float8_e4m3fn), "l.weight_scale": torch.tensor(0.25),
              "l.input_scale": torch.tensor(0.5)}
-    ckpt = load_quantized_checkpoint(_write_checkpoint(tmp_path / "c", "FP8", state))
-    assert ckpt.weights["l.weight"].tolist() == [[0.5, -1.0]]
+    ckpt = load_exported(_write_checkpoint(tmp_path / "c", "FP8", state))
+    assert ckpt.state["l.weight"].tolist() == [[0.5, -1.0]]
     assert ckpt.input_scales == {"l": 0.5}
 
 
-def test_unquantized_checkpoint_and_reference_load_as_float32(tmp_path):
+def test_a_scale_without_its_quantized_weight_is_refused_not_dropped(tmp_path):
+    state = {"l.weight": torch.ones(2, 2), "l.weight_scale": torch.tensor(0.25)}  # weight not in FP8
+    with pytest.raises(StageFailed, match="belong to no quantized weight"):
+        load_exported(_write_checkpoint(tmp_path / "c", "FP8", state))
+
+
+def test_sharded_checkpoint_is_read_through_its_index(tmp_path):
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"a.weight": torch.ones(2, dtype=torch.bfloat16)}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({"b.weight": torch.zeros(2, dtype=torch.bfloat16)}, str(d / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert set(load_exported(d).state) == {"a.weight", "b.weight"}
+    (d / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(StageFailed, match="lacks the shards"):
+        load_exported(d)
+
+
+def test_unquantized_checkpoint_loads_as_float32(tmp_path):
     directory = _write_checkpoint(tmp_path / "c", None, {"w.weight": torch.ones(2, 2, dtype=torch.float16)})
-    for ckpt in (load_quantized_checkpoint(directory), load_reference_checkpoint(directory)):
-        assert ckpt.quant_algo is None and ckpt.weights["w.weight"].dtype == torch.float32
+    ckpt = load_exported(directory)
+    assert ckpt.quant_algo is None and ckpt.state["w.weight"].dtype == torch.float32
 
 
 def test_unknown_quant_algo_is_refused(tmp_path):
     directory = _write_checkpoint(tmp_path / "c", "W4A16_AWQ", {"w.weight": torch.ones(2, 2)})
     with pytest.raises(StageFailed, match="W4A16_AWQ"):
-        load_quantized_checkpoint(directory)
+        load_exported(directory)
 
 
 def test_directory_without_safetensors_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(StageFailed, match="safetensors"):
-        load_reference_checkpoint(tmp_path)
+        load_exported(tmp_path)

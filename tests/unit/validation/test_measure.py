@@ -134,9 +134,9 @@ def test_greedy_decode_generates_what_transformers_generate_does():
 
 
 def test_decode_latency_of_the_tiny_model_at_batch_1_and_the_maximum_batch():
-    from validation.runners import DequantizedCheckpointRunner
+    from validation.runners import CheckpointRunner
 
-    engine = DequantizedCheckpointRunner(TINY, reference=True)
+    engine = CheckpointRunner(TINY)
     out = decode_latency(engine, prof(batch=3, inp=32, seq=40, tokens=96), vocab=2048, new_tokens=8, reps=2)
     assert [p["batch_size"] for p in out["points"]] == [1, 3]
     for p in out["points"]:
@@ -149,9 +149,9 @@ def test_decode_latency_of_the_tiny_model_at_batch_1_and_the_maximum_batch():
 
 
 def test_peak_memory_in_a_fresh_process_counts_weights_and_grows_with_the_corner(fp8_export):
-    from validation.runners import DequantizedCheckpointRunner
+    from validation.runners import CheckpointRunner
 
-    engine = DequantizedCheckpointRunner(fp8_export / "hf")
+    engine = CheckpointRunner(fp8_export / "hf")
     source = ("checkpoint", fp8_export / "hf")
     small = peak_memory(engine, prof(batch=1, inp=64, seq=64, tokens=64), 2048, source=source)
     big = peak_memory(engine, prof(batch=8, inp=256, seq=512, tokens=4096), 2048, source=source)

@@ -18,7 +18,7 @@ from kiln.spec import parse_spec
 from validation.gates import effective_gates
 from validation.report import REPORT_TYPE, SCHEMA, document_for_row, render, render_html, render_junit, \
     report_document, to_json
-from validation.runners import DequantizedCheckpointRunner, open_reference
+from validation.runners import CheckpointRunner, open_reference
 from validation.validate import validate
 
 REPO = Path(__file__).resolve().parents[3]
@@ -34,7 +34,7 @@ def real(fp8_export):
     spec = parse_spec({"checkpoint": str(TINY), "precision": "fp8", "backend": "checkpoint", "profile": PROFILE,
                        "evaluation": {"max_tokens": 1024}}, [REPO])
     heldout = load_text("kiln:heldout", field="evaluation.dataset", roots=[REPO])[0]
-    validation = validate(DequantizedCheckpointRunner(fp8_export / "hf"), open_reference(TINY), TINY, heldout, spec,
+    validation = validate(CheckpointRunner(fp8_export / "hf"), open_reference(TINY), TINY, heldout, spec,
                           effective_gates("fp8", {}), 2048, engine_source=("checkpoint", fp8_export / "hf"))
     provenance = {"created": "2026-01-02T03:04:05Z", "kiln": "0.test", "recipe": "kiln-recipe-1",
                   "spec": spec.model_dump(), "build_key": "sha256:" + "b" * 64,

@@ -17,7 +17,7 @@ from kiln.errors import SpecError, StageFailed
 from kiln.spec import parse_spec
 from validation.gates import effective_gates
 from validation.measure import accuracy
-from validation.runners import DequantizedCheckpointRunner, TransformersRunner, open_engine, open_reference
+from validation.runners import CheckpointRunner, TransformersRunner, open_engine, open_reference
 from validation.validate import eval_tokens, validate
 
 REPO = Path(__file__).resolve().parents[3]
@@ -109,9 +109,9 @@ def test_reference_against_itself(reference, tokens):
     assert 5 < m["reference_perplexity"] < 100  # a trained model: far below a uniform 2048
 
 
-def test_kiln_llama_reference_agrees_with_transformers(reference, tokens):
+def test_the_checkpoint_runner_on_an_unquantized_checkpoint_is_transformers(reference, tokens):
     ids, seq = tokens
-    ours = DequantizedCheckpointRunner(TINY, reference=True)
+    ours = CheckpointRunner(TINY)
     m = accuracy(ours, reference, ids[:513], seq, 4)
     assert abs(m["ppl_increase_pct"]) < 1e-3
     assert m["top1_agreement"] > 0.999 and m["mean_kl"] < 1e-8
@@ -152,7 +152,7 @@ def test_undamaged_nvfp4_export_passes_the_default_gates(nvfp4_export, reference
 
 def test_nibble_swapped_nvfp4_export_fails_loudly(damaged_nvfp4, reference, heldout):
     spec = nvfp4_spec()
-    engine = DequantizedCheckpointRunner(damaged_nvfp4)
+    engine = CheckpointRunner(damaged_nvfp4)
     report = validate(engine, reference, TINY, heldout, spec, effective_gates("nvfp4", {}), 2048)
     m = report["metrics"]
     verdicts = {g["name"]: g["passed"] for g in report["gates"]}
@@ -165,7 +165,7 @@ def test_nibble_swapped_nvfp4_export_fails_loudly(damaged_nvfp4, reference, held
 def test_fp8_export_passes_the_tighter_fp8_gates(fp8_export, reference, heldout):
     calls = []
 
-    class Recorded(DequantizedCheckpointRunner):
+    class Recorded(CheckpointRunner):
         def logits(self, input_ids):
             calls.append("forward")
             return super().logits(input_ids)
@@ -185,7 +185,7 @@ SMALL = {"max_batch_size": 1, "max_input_len": 64, "max_seq_len": 96, "max_num_t
 
 def test_fp8_export_with_one_corrupted_scale_fails_loudly(damaged_fp8, reference, heldout):
     spec = nvfp4_spec(precision="fp8", profile=SMALL)
-    report = validate(DequantizedCheckpointRunner(damaged_fp8), reference, TINY, heldout, spec,
+    report = validate(CheckpointRunner(damaged_fp8), reference, TINY, heldout, spec,
                       effective_gates("fp8", {}), 2048)
     m = report["metrics"]
     verdicts = {g["name"]: g["passed"] for g in report["gates"]}
@@ -197,7 +197,7 @@ def test_fp8_export_with_one_corrupted_scale_fails_loudly(damaged_fp8, reference
 
 def test_an_impossible_threshold_fails_only_its_gate(fp8_export, reference, heldout):
     spec = nvfp4_spec(precision="fp8", profile=SMALL, gates={"max_peak_memory_bytes": 1})
-    report = validate(DequantizedCheckpointRunner(fp8_export / "hf"), reference, TINY, heldout, spec,
+    report = validate(CheckpointRunner(fp8_export / "hf"), reference, TINY, heldout, spec,
                       effective_gates("fp8", spec.gates), 2048)
     failed = [g["name"] for g in report["gates"] if not g["passed"]]
     assert report["passed"] is False and failed == ["max_peak_memory_bytes"]

@@ -1,0 +1,87 @@
+"""Backends: one descriptor per way a quantized checkpoint becomes what a deployer loads, owning its rules (checked
+in the spec, before any work), the families it supports, the export of the quantize stage it consumes, the
+toolchain versions that bind its output, and where its compile step and its runner live.
+
+The compile step and the runner are named as ``module:Class`` and imported when used (as vLLM's model registry
+does), so the core can say what a backend is without importing torch.export or TensorRT-LLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from kiln.families import FAMILIES, Family
+from kiln.precisions import PRECISIONS, Precision
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    title: str
+    export: str  # "hf": ModelOpt's unified HF checkpoint; "trtllm": its TensorRT-LLM checkpoint (from the calibration)
+    compiler: str  # module:Class of the compile step (builder/backends)
+    runner: str  # module:Class of the runner validation loads the artifact with
+    gpu_only: bool  # needs a GPU target (no cpu)
+    tensor_parallel: bool  # tp_size > 1 allowed
+    kv_cache_quant: bool  # has a KV cache to quantize
+    toolchain: tuple[str, ...]  # versions beyond torch / ModelOpt / transformers that bind its output
+    status: str  # what has run where (README "What has run where")
+
+    def family_gap(self, family: Family) -> str | None:
+        """Why this backend cannot build ``family``; None when it can."""
+        if self.export == "trtllm" and family.trtllm_decoder is None:
+            return family.trtllm_gap or f"TensorRT-LLM 1.2.x's engine path has no {family.title}"
+        return None
+
+    def precision_gap(self, precision: Precision, sm: int | None) -> str | None:
+        """Why this backend cannot build ``precision`` for a GPU of ``sm`` (None: cpu); None when it can."""
+        need = precision.min_sm_trtllm_engine if self.export == "trtllm" else precision.min_sm
+        if sm is not None and sm < need:
+            return f"{precision.name} {'TensorRT-LLM engines need' if self.export == 'trtllm' else 'needs'} sm{need}+"
+        return None
+
+    def load(self, attr: str):
+        module, _, cls = getattr(self, attr).partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("aot-inductor", "torch.export + AOTInductor package (portable engine)", "hf",
+            "builder.backends.aot_inductor:AOTInductorBackend", "validation.runners:AOTInductorRunner",
+            gpu_only=False, tensor_parallel=False, kv_cache_quant=False, toolchain=("cuda",),
+            status="runs here (CPU); CUDA compile measured on an H200 once"),
+    Backend("checkpoint", "ModelOpt unified HF checkpoint (TensorRT-LLM PyTorch backend, vLLM, SGLang)", "hf",
+            "builder.backends.checkpoint:CheckpointBackend", "validation.runners:CheckpointRunner",
+            gpu_only=False, tensor_parallel=False, kv_cache_quant=True, toolchain=(),
+            status="runs here (validated on CPU from its own tensors)"),
+    Backend("trtllm-engine", "TensorRT-LLM 1.2.x engine (trtllm-build)", "trtllm",
+            "builder.backends.trtllm:TRTLLMBackend", "validation.runners:TRTLLMRunner",
+            gpu_only=True, tensor_parallel=True, kv_cache_quant=True, toolchain=("tensorrt_llm", "tensorrt", "cuda"),
+            status="planned: written against TensorRT-LLM 1.2.x, never run (no TensorRT-LLM or GPU here)"),
+)}
+
+
+def get_backend_info(name: str) -> Backend:
+    return BACKENDS[name]
+
+
+def support_matrix() -> list[dict]:
+    """Family × precision × backend, each with ``supported`` and the reason for a gap — generated from the
+    descriptors (``kiln models``, ``GET /v1/models/support``, docs/models.md)."""
+    rows = []
+    for family in FAMILIES.values():
+        for precision in PRECISIONS.values():
+            for backend in BACKENDS.values():
+                gap = backend.family_gap(family)
+                rows.append({"family": family.name, "title": family.title, "model_types": list(family.model_types),
+                             "precision": precision.name, "backend": backend.name, "supported": gap is None,
+                             "status": backend.status if gap is None else "unsupported",
+                             "reason": gap or (f"{precision.name} engines need sm{precision.min_sm_trtllm_engine}+"
+                                               if backend.export == "trtllm" and precision.min_sm_trtllm_engine > 89
+                                               else "")})
+    return rows
+
+
+def backends_for(family: Family) -> list[str]:
+    return [b.name for b in BACKENDS.values() if b.family_gap(family) is None]

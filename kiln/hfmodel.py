@@ -1,0 +1,138 @@
+"""The model an engine computes: transformers' own implementation of the checkpoint's family, built from the
+exported checkpoint's config, holding the weights dequantized from the exported tensors, with activation
+quantization emulated from the exported ``input_scale`` values. No family has a hand-written model.
+
+- Weights go through ``from_pretrained(None, config=…, state_dict=…)``, so transformers applies its own checkpoint
+  conversions (e.g. the per-expert ``experts.N.w1`` tensors of a Mixtral checkpoint fused into
+  ``experts.gate_up_proj``); a tensor it does not take, or a parameter left without one, is an error.
+- Activation quantization: a forward pre-hook on each quantized ``nn.Linear`` fake-quantizes its input with the
+  precision's quantizer and that linear's exported scale. Fused MoE experts (one module computing every expert)
+  take their input quantized with the largest of the experts' gate/up input scales (what serving runtimes do: one
+  activation scale per fused GEMM); the experts' down projections run on unquantized intermediates — recorded in
+  :attr:`EngineModel.emulation`.
+- :class:`LogitsOnly` is the export surface: ``input_ids [batch, seq] → logits [batch, seq, vocab]``, without a KV
+  cache, which is what ``torch.export`` takes with dynamic batch and sequence ranges.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kiln.errors import StageFailed
+from kiln.families import Family, family_of
+from kiln.quantformat import ExportedCheckpoint, load_exported
+
+EXPERT_INPUT = re.compile(r"^(?P<layer>.+)\.(?:block_sparse_moe|mlp)\.experts\.\d+\.(?P<proj>w1|w3|gate_proj|up_proj|w2|down_proj)$")
+
+
+@dataclass
+class EngineModel:
+    model: nn.Module
+    family: Family
+    checkpoint: ExportedCheckpoint
+    emulation: dict = field(default_factory=dict)
+
+
+class LogitsOnly(nn.Module):
+    """The causal LM as an engine: token ids in, float logits out, no cache."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits.float()
+
+
+def _config(ckpt: ExportedCheckpoint):
+    from transformers import AutoConfig
+
+    d = dict(ckpt.config)
+    model_type = d.pop("model_type")
+    for key in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        d.pop(key, None)
+    return AutoConfig.for_model(model_type, **d)
+
+
+def _quantize_inputs(model: nn.Module, ckpt: ExportedCheckpoint) -> dict:
+    """Register the activation fake-quantizers; returns what was emulated."""
+    precision = ckpt.precision
+    if precision is None:
+        return {"activations": "none (unquantized checkpoint)"}
+    modules = dict(model.named_modules())
+    hooked, experts, missing = 0, {}, []
+    for name, scale in ckpt.input_scales.items():
+        target = modules.get(name)
+        if isinstance(target, nn.Linear):
+            _hook(target, precision.fake_quant, scale)
+            hooked += 1
+            continue
+        m = EXPERT_INPUT.match(name)
+        if m is None:
+            missing.append(name)
+            continue
+        fused = next((f"{m['layer']}.{p}.experts" for p in ("mlp", "block_sparse_moe")
+                      if f"{m['layer']}.{p}.experts" in modules), None)
+        if fused is None:
+            missing.append(name)
+        elif m["proj"] in ("w1", "w3", "gate_proj", "up_proj"):
+            experts[fused] = max(experts.get(fused, 0.0), scale)
+    if missing:
+        raise StageFailed(f"{len(missing)} activation scales name no module of the model (e.g. {missing[0]})")
+    for fused, scale in experts.items():
+        _hook(modules[fused], precision.fake_quant, scale)
+    out = {"activations": f"{precision.name} emulated on {hooked} linears from their exported input_scale"}
+    if experts:
+        out["experts"] = (f"{len(experts)} fused expert blocks take their input quantized with the largest expert "
+                          "gate/up input_scale; expert down projections are not activation-quantized")
+    return out
+
+
+def _hook(module: nn.Module, fake_quant, scale: float) -> None:
+    if not scale > 0:
+        return
+
+    def pre(_, args):
+        return (fake_quant(args[0], scale), *args[1:])
+
+    module.register_forward_pre_hook(pre)
+
+
+def load_engine_model(directory: Path, *, dtype: torch.dtype = torch.float32) -> EngineModel:
+    """The exported checkpoint in ``directory`` as transformers computes it (see the module docstring)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.utils import logging as hf_logging
+
+    ckpt = load_exported(directory)
+    family = family_of(ckpt.config)
+    config = _config(ckpt)
+    state = {k: v.to(dtype) for k, v in ckpt.state.items()}
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # the loading report is checked below, not printed
+    hf_logging.disable_progress_bar()
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
+                                                  output_loading_info=True)
+    except Exception as exc:
+        raise StageFailed(f"transformers could not build {family.title} from the exported checkpoint: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = [k for k in info.get("missing_keys", []) if k not in tied]
+    unexpected = list(info.get("unexpected_keys", []))
+    mismatched = list(info.get("mismatched_keys", []))
+    if missing or unexpected or mismatched:
+        raise StageFailed(f"the exported tensors do not fill transformers' {family.title}: "
+                          f"missing {missing[:3]}, unused {unexpected[:3]}, mismatched {mismatched[:3]}")
+    model.eval()
+    emulation = _quantize_inputs(model, ckpt)
+    return EngineModel(model, family, ckpt, emulation)

@@ -1,0 +1,125 @@
+"""Precisions: one descriptor per quantization format Kiln builds, owning everything that differs between them —
+ModelOpt's config, the name the exported checkpoint gives it (``quant_algo``), the GPU architectures its engines
+need, its default accuracy gates, how its exported weights are dequantized and how its activation quantization is
+emulated. Nothing outside this module compares precision names.
+
+Formats, as ModelOpt 0.47 exports them (checked on CPU, see DESIGN.md):
+- FP8: ``weight`` float8_e4m3fn, ``weight_scale`` fp32 (per tensor), ``input_scale`` fp32. value = w × scale.
+- NVFP4: ``weight`` uint8 with two e2m1 values per byte, the LOW nibble holding the first element;
+  ``weight_scale`` float8_e4m3fn, one per 16 inputs; ``weight_scale_2`` fp32 global (amax / (6 × 448));
+  ``input_scale`` fp32 global for activations. value = e2m1 × weight_scale × weight_scale_2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+NVFP4_GROUP = 16
+FP8_MAX = 448.0
+
+
+# -- FP8 ---------------------------------------------------------------------------------------------
+def dequantize_fp8(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor | None:
+    w = raw[f"{module}.weight"]
+    if w.dtype != torch.float8_e4m3fn:
+        return None
+    return w.float() * raw[f"{module}.weight_scale"].float()
+
+
+def fake_quant_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+# -- NVFP4 -------------------------------------------------------------------------------------------
+def e2m1_table() -> torch.Tensor:
+    """Lookup for a 4-bit code: bit 3 is the sign, bits 0–2 index E2M1_VALUES."""
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    return torch.cat([mags, -mags])
+
+
+def unpack_nvfp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n/2] → float32 e2m1 values [..., n]; the low nibble is the first element."""
+    table = e2m1_table()
+    low = table[(packed & 0x0F).long()]
+    high = table[(packed >> 4).long()]
+    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def dequantize_nvfp4_tensor(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    values = unpack_nvfp4(packed)
+    out_f, in_f = values.shape
+    blocks = values.reshape(out_f, in_f // NVFP4_GROUP, NVFP4_GROUP)
+    scaled = blocks * block_scale.float().unsqueeze(-1) * global_scale.float()
+    return scaled.reshape(out_f, in_f)
+
+
+def dequantize_nvfp4(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor | None:
+    w = raw[f"{module}.weight"]
+    if w.dtype != torch.uint8:
+        return None
+    return dequantize_nvfp4_tensor(w, raw[f"{module}.weight_scale"], raw[f"{module}.weight_scale_2"])
+
+
+def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Round |v| ≤ 6 to the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (steps .5 below 2, 1 below 4, 2 above)."""
+    a = v.abs().clamp(max=6.0)
+    q = torch.where(a < 2.0, torch.round(a * 2.0) / 2.0, torch.where(a < 4.0, torch.round(a), torch.round(a / 2.0) * 2.0))
+    return q * torch.sign(v)
+
+
+def fake_quant_nvfp4(x: torch.Tensor, global_scale: float) -> torch.Tensor:
+    shape = x.shape
+    blocks = x.reshape(-1, NVFP4_GROUP)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    block_scale = (amax / 6.0 / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * global_scale
+    safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
+    return (_round_e2m1(blocks / safe) * block_scale).reshape(shape)
+
+
+# -- the registry ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Precision:
+    name: str  # the spec's value
+    quant_algo: str  # what the exported checkpoint's quantization block calls it
+    title: str
+    modelopt_config: str  # attribute of modelopt.torch.quantization
+    #: lowest SM whose tensor cores run it at all (FP8: Ada); a TensorRT-LLM engine may need more
+    min_sm: int
+    min_sm_trtllm_engine: int
+    gates: dict[str, float]  # default accuracy and speed gates
+    #: module name, raw exported tensors → the dequantized float32 weight, or None when the tensor is not in
+    #: this format (ModelOpt leaves embeddings, lm_head and MoE routers unquantized)
+    dequantize: Callable[[dict[str, torch.Tensor], str], torch.Tensor | None]
+    fake_quant: Callable[[torch.Tensor, float], torch.Tensor]  # activations, from the exported input_scale
+    #: the tensors next to a quantized weight that this format consumes
+    scale_suffixes: tuple[str, ...] = field(default=())
+    #: a dimension every quantized activation's last axis must divide by (NVFP4: its 16-element blocks)
+    block: int = 1
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp8", "FP8", "FP8 (e4m3) weights and activations, per-tensor scales", "FP8_DEFAULT_CFG",
+              min_sm=89, min_sm_trtllm_engine=89,
+              gates={"max_ppl_increase_pct": 3.0, "min_top1_agreement": 0.85, "max_mean_kl": 0.05,
+                     "min_throughput_tps": 1.0},
+              dequantize=dequantize_fp8, fake_quant=fake_quant_fp8,
+              scale_suffixes=("weight_scale", "input_scale")),
+    Precision("nvfp4", "NVFP4", "NVFP4 (e2m1) weights and activations, FP8 scales per 16 values", "NVFP4_DEFAULT_CFG",
+              min_sm=89, min_sm_trtllm_engine=100,
+              gates={"max_ppl_increase_pct": 15.0, "min_top1_agreement": 0.70, "max_mean_kl": 0.25,
+                     "min_throughput_tps": 1.0},
+              dequantize=dequantize_nvfp4, fake_quant=fake_quant_nvfp4,
+              scale_suffixes=("weight_scale", "weight_scale_2", "input_scale"), block=NVFP4_GROUP),
+)}
+BY_QUANT_ALGO: dict[str, Precision] = {p.quant_algo: p for p in PRECISIONS.values()}
+#: KV-cache scales ModelOpt writes beside the attention projections (FP8 KV cache); read by runtimes with a KV
+#: cache, consumed (not emulated) by Kiln's full-sequence engines
+KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "k_proj.output_scale", "v_proj.output_scale")
+
+
+def get_precision(name: str) -> Precision:
+    return PRECISIONS[name]

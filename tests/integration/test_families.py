@@ -1,0 +1,105 @@
+"""Every supported family end to end on the embedded defaults: a tiny sharded bf16 checkpoint of the family
+(tests/families.py) is quantized by real ModelOpt, compiled by real torch.export + AOTInductor (FP8 and NVFP4) and
+exported as the unified checkpoint (FP8), validated against the transformers reference, and published.
+
+Per family the three builds share one calibration per precision (the stage cache: the FP8 checkpoint build finds
+the FP8 calibration of the aot-inductor build). Asserted beyond "it passed":
+- the unquantized reference perplexity Kiln reports is the one transformers computes on the same tokens;
+- the compiled engine and the checkpoint artifact of the same quantized weights agree (perplexity to 1e-4
+  relative, logits to 2e-3 absolute: both are float32 computations of one model, differing only by kernel order);
+- the engine is image-shaped and its provenance names the family."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.families import FAMILY_CONFIGS, family_checkpoint, shards
+
+pytestmark = pytest.mark.slow
+
+#: small enough for two cores, large enough to cross the sliding windows (32) and the llama3 rope's
+#: original_max_position_embeddings (64)
+PROFILE = {"max_batch_size": 2, "max_input_len": 96, "max_seq_len": 128, "max_num_tokens": 256}
+EVALUATION = {"seq_len": 96, "max_tokens": 4096}
+CALIBRATION = {"samples": 8, "seq_len": 64}
+
+
+def _builder(home):
+    from artifacts.factory import open_store
+    from builder.pipeline import Builder
+    from kiln import db
+    from kiln.settings import Settings
+
+    settings = Settings(home=home)
+    db.upgrade(settings.db_url)
+    return settings, Builder(settings, open_store(settings.store), db.session_factory(settings.db_url))
+
+
+def _spec(ckpt, settings, **kw):
+    from kiln.spec import parse_spec
+
+    return parse_spec({"checkpoint": str(ckpt), "profile": PROFILE, "evaluation": EVALUATION,
+                       "calibration": CALIBRATION, **kw}, settings.roots)
+
+
+def _transformers_perplexity(ckpt, eval_text: str, seq: int, max_tokens: int) -> float:
+    """What transformers itself computes: the unquantized checkpoint in float32, mean NLL over the same windows
+    validation uses (consecutive windows of seq+1 tokens of the held-out text)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    ids = tok(eval_text, return_tensors="pt", add_special_tokens=False)["input_ids"][0][:max_tokens]
+    n = (len(ids) - 1) // seq
+    x = torch.stack([ids[i * seq: i * seq + seq + 1] for i in range(n)])
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=x[:, :-1]).logits.float()
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    return math.exp(nll.item())
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_family_builds_validates_and_publishes_on_both_backends(family, tmp_path_factory, tmp_path):
+    from kiln.datasets import load_text
+    from validation.runners import AOTInductorRunner, CheckpointRunner
+
+    ckpt = family_checkpoint(tmp_path_factory, family)
+    assert len(shards(ckpt)) >= 2 and json.loads((ckpt / "config.json").read_text())["dtype"] == "bfloat16"
+    settings, builder = _builder(tmp_path / "home")
+
+    fp8_aot = builder.build(_spec(ckpt, settings, precision="fp8", backend="aot-inductor"))
+    fp8_ckpt = builder.build(_spec(ckpt, settings, precision="fp8", backend="checkpoint"))
+    nvfp4_aot = builder.build(_spec(ckpt, settings, precision="nvfp4", backend="aot-inductor"))
+    for out in (fp8_aot, fp8_ckpt, nvfp4_aot):
+        assert out.status == "succeeded", (family, out.validation.get("gates"))
+        assert out.digest and out.artifact["status"] == "fresh"
+    status = lambda out: {s.name: s.status for s in out.stages}  # noqa: E731
+    assert status(fp8_aot)["quantize"] == "ran" and status(fp8_ckpt)["quantize"] == "cached"  # one calibration
+    assert status(nvfp4_aot)["quantize"] == "ran"
+
+    # the reference Kiln reports is transformers' own computation of the unquantized checkpoint
+    text, _ = load_text("kiln:heldout", field="evaluation.dataset", roots=[])
+    expected = _transformers_perplexity(ckpt, text, EVALUATION["seq_len"], EVALUATION["max_tokens"])
+    metrics = fp8_aot.validation["metrics"]
+    assert metrics["reference_perplexity"] == pytest.approx(expected, rel=1e-4)
+    assert metrics["reference_perplexity"] < 1000  # trained: below a uniform guess over 2048 tokens
+    assert nvfp4_aot.validation["metrics"]["reference_perplexity"] == pytest.approx(expected, rel=1e-4)
+
+    # the compiled engine and the checkpoint artifact of the same FP8 weights compute the same thing
+    assert fp8_ckpt.validation["metrics"]["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-4)
+    cache = settings.cache_dir / "compile"
+    aot_dir = next(d for d in cache.iterdir() if (d / "model.pt2").is_file()
+                   and json.loads((d / "engine.json").read_text())["precision"] == "fp8")
+    ckpt_dir = next(d for d in cache.iterdir() if json.loads((d / "engine.json").read_text())["format"]
+                    == "kiln-hf-checkpoint/1")
+    x = torch.randint(0, 2048, (2, 80), generator=torch.Generator().manual_seed(0))
+    a, b = AOTInductorRunner(aot_dir).logits(x), CheckpointRunner(ckpt_dir).logits(x)
+    assert (a - b).abs().max().item() < 2e-3
+    engine = json.loads((aot_dir / "engine.json").read_text())
+    assert engine["family"] == family and engine["activation_quant_emulated"] is True
+    # NVFP4 costs more accuracy than FP8 on the same model (a damaged dequantization would cost orders more)
+    assert nvfp4_aot.validation["metrics"]["ppl_increase_pct"] < 50
