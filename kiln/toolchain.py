@@ -25,6 +25,9 @@ TENSORRT_DISTS = ("tensorrt", "tensorrt-cu12", "tensorrt_cu12", "tensorrt-cu13",
                   "tensorrt-cu12-libs", "tensorrt_cu12_libs", "tensorrt-cu13-libs", "tensorrt_cu13_libs")
 TENSORRT_LLM_DISTS = ("tensorrt-llm", "tensorrt_llm")
 ABSENT = "absent"
+#: version of the serving configurations the ``checkpoint`` backend writes beside its files (builder/serving.py);
+#: part of that backend's toolchain, so a change to them is a new artifact, never a stale cached one
+SERVING_CONFIG_VERSION = "1"
 
 
 def _version(dist: str) -> str | None:
@@ -80,6 +83,8 @@ def _toolchain_for(backend: str, target: str) -> dict[str, str]:
         tc["cpu"] = f"{platform.machine()}-{cpu_capability()}"
     elif backend == "aot-inductor":
         tc["cuda"] = str(torch.version.cuda)
+    if backend == "checkpoint":
+        tc["kiln_serving"] = SERVING_CONFIG_VERSION
     if backend == "trtllm-engine":
         tc["tensorrt_llm"] = tensorrt_llm_version() or ABSENT
         tc["tensorrt"] = tensorrt_version() or ABSENT
