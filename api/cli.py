@@ -186,18 +186,30 @@ def _print_summary(out: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
 @click.option("--server", help="submit to a remote Kiln (http://host:8000) instead of building here")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="with --server: follow the build to its end")
-def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, **options) -> None:
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="also write the validation report as JUnit XML to this file (CI test results)")
+@click.option("--report-html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="also write the validation report as HTML to this file")
+def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, junit_path: Path | None,
+          html_path: Path | None, **options) -> None:
     """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://)."""
     from builder.pipeline import Builder
     from kiln.errors import ValidationFailed
     from kiln.settings import get_settings
     from kiln.spec import parse_spec
 
+    reports = {"junit": junit_path, "html": html_path}
     if server:
-        from api.remote import exit_for, remote_build
+        from api.cli_report import write_build_reports
+        from api.remote import exit_for, fetch_report_document, remote_build
 
+        if (junit_path or html_path) and not wait:
+            raise SpecError("--junit and --report-html need the build's verdict", field="wait",
+                            fix="drop --no-wait, or fetch the report later with kiln report")
         out = remote_build(server, spec_from_options(checkpoint, options), wait=wait, as_json=as_json,
                            progress=Progress(quiet=False), summary=_print_summary)
+        if wait:
+            write_build_reports(reports, out, lambda digest: fetch_report_document(server, digest))
         if wait and (err := exit_for(out)) is not None:
             raise err
         return
@@ -215,6 +227,10 @@ def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wai
         click.echo(json.dumps(out, sort_keys=True))
     else:
         _print_summary(out)
+    if junit_path or html_path:
+        from api.cli_report import local_document, write_build_reports
+
+        write_build_reports(reports, out, local_document(sessions))
     if out["status"] != "succeeded":
         raise ValidationFailed("the engine failed validation; it is stored as rejected and will not be served")
 
@@ -266,7 +282,8 @@ def artifacts_show(digest: str) -> None:
 @click.argument("ref")
 @click.argument("dest", type=click.Path(path_type=Path))
 @click.option("--server", help="pull from a remote Kiln's /v2 registry API (http://host:8000) instead of the local store")
-def pull(ref: str, dest: Path, server: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (digest, repository, status, dest)")
+def pull(ref: str, dest: Path, server: str | None, as_json: bool) -> None:
     """Pull engine REF ([model@]sha256:...) into DEST, verifying every blob against its digest."""
     if server:
         from api.pull import pull_remote
@@ -277,6 +294,10 @@ def pull(ref: str, dest: Path, server: str | None) -> None:
             note = f" (warning: this engine is {got.status})"
             click.echo(f"kiln: warning: {got.repository}@{got.digest} is {got.status} on {server}; "
                        "pulled anyway (pinned by digest)", err=True)
+        if as_json:
+            click.echo(json.dumps({"digest": got.digest, "repository": got.repository, "status": got.status,
+                                   "dest": str(dest), "server": server}, sort_keys=True))
+            return
         click.echo(f"pulled {got.repository}@{got.digest} from {server} into {dest}{note}")
         return
     from artifacts.oci import pull_image
@@ -286,6 +307,10 @@ def pull(ref: str, dest: Path, server: str | None) -> None:
     if dest.exists():
         raise SpecError(f"{dest} already exists", field="dest", fix="give a path that does not exist yet")
     pull_image(store, row.digest, dest)
+    if as_json:
+        click.echo(json.dumps({"digest": row.digest, "repository": row.repository, "status": row.status,
+                               "dest": str(dest), "server": None}, sort_keys=True))
+        return
     note = f" (warning: this engine is {row.status})" if row.status != "fresh" else ""
     click.echo(f"pulled {row.digest} into {dest}{note}")
 
@@ -320,6 +345,7 @@ def _register_commands() -> None:
     import api.cli_service  # noqa: F401  (adds api, worker, serve to the group)
     import api.cli_fit  # noqa: F401
     import api.cli_report  # noqa: F401  (report)
+    import api.cli_resolve  # noqa: F401  (resolve)
 
 
 _register_commands()
