@@ -193,12 +193,26 @@ def _print_summary(out: dict) -> None:
 def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, junit_path: Path | None,
           html_path: Path | None, **options) -> None:
     """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://)."""
+    reports: dict = {"junit": junit_path, "html": html_path}
+    try:
+        _build(checkpoint, dry_run, as_json, server, wait, reports, options)
+    except KilnError as exc:
+        if junit_path and not reports.get("written"):  # refused or failed before any report: say why in JUnit
+            from api.cli_report import build_error_junit, write_atomic
+
+            write_atomic(junit_path, build_error_junit({"status": "error", "error": {"code": exc.code,
+                                                                                      "message": str(exc)}}))
+        raise
+
+
+def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, reports: dict,
+           options: dict) -> None:
     from builder.pipeline import Builder
     from kiln.errors import ValidationFailed
     from kiln.settings import get_settings
     from kiln.spec import parse_spec
 
-    reports = {"junit": junit_path, "html": html_path}
+    junit_path, html_path = reports["junit"], reports["html"]
     if server:
         from api.cli_report import write_build_reports
         from api.remote import exit_for, fetch_report_document, remote_build
@@ -210,6 +224,7 @@ def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wai
                            progress=Progress(quiet=False), summary=_print_summary)
         if wait:
             write_build_reports(reports, out, lambda digest: fetch_report_document(server, digest))
+            reports["written"] = True
         if wait and (err := exit_for(out)) is not None:
             raise err
         return
@@ -231,6 +246,7 @@ def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wai
         from api.cli_report import local_document, write_build_reports
 
         write_build_reports(reports, out, local_document(sessions))
+        reports["written"] = True
     if out["status"] != "succeeded":
         raise ValidationFailed("the engine failed validation; it is stored as rejected and will not be served")
 

@@ -51,7 +51,7 @@ def write_build_reports(paths: dict[str, Path | None], out: dict,
     report on: the JUnit file then holds one error case, and no HTML file is written (said on stderr)."""
     from validation.report import render
 
-    wanted = {fmt: p for fmt, p in paths.items() if p is not None}
+    wanted = {fmt: p for fmt, p in paths.items() if fmt in ("junit", "html") and p is not None}
     if not wanted:
         return
     if not out.get("digest"):

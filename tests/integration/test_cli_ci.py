@@ -63,10 +63,12 @@ def test_a_failing_gate_exits_1_and_its_junit_says_which(home, built):
     assert "min_throughput_tps" in failures[0].get("message")
 
 
-def test_a_build_refused_before_work_writes_no_report(home):
+def test_a_build_refused_before_work_says_why_in_junit(home):
     junit = home.parent / "out" / "refused.xml"
     proc = kiln("build", "examples/tiny-llama", "--precision", "fp9", "--junit", str(junit), home=home)
-    assert proc.returncode == 2 and "precision" in proc.stderr and not junit.exists()
+    assert proc.returncode == 2 and "precision" in proc.stderr
+    error = ET.parse(junit).getroot().find(".//error")
+    assert error.get("type") == "invalid_spec" and "precision" in error.get("message")
 
 
 def test_resolve_prints_the_digest_and_json(home, built):
