@@ -124,3 +124,26 @@ def test_github_build_step_records_the_exit_code_and_fails_with_it(tmp_path):
     assert (work / "kiln-reports" / "digest.json").read_text().strip() == '{"fp8-h100-throughput": ""}'
     # no engine: the JUnit file holds the build error, so the CI test view says why
     assert "<error" in (work / "kiln-reports" / "junit.xml").read_text()
+
+
+def test_gitlab_script_records_the_digest_file_and_fails_with_kilns_exit_code(tmp_path):
+    """The template's script (all but the pip install), run as GitLab's bash runner runs it (errexit, pipefail),
+    with the real CLI against an unreachable server: exit 3, the dotenv and JUnit files still written."""
+    shim = tmp_path / "bin" / "kiln"
+    shim.parent.mkdir()
+    shim.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m api.cli \"$@\"\n")
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    script = load(GITLAB)[".kiln-build"]["script"]
+    assert script[0].startswith("python -m pip install")
+    variables = {k: str(v) for k, v in load(GITLAB)["variables"].items()}
+    env = {**os.environ, **variables, "PATH": f"{shim.parent}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
+           "KILN_URL": "http://127.0.0.1:9", "KILN_CHECKPOINT": "hf://acme/tiny@" + "a" * 40,
+           "KILN_HOME": str(tmp_path / "home")}
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(script[1:])], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert (work / "kiln-reports" / "kiln.env").read_text() == "KILN_DIGEST=\n"
+    assert "<error" in (work / "kiln-reports" / "junit.xml").read_text()
+    assert "exit 3 digest none" in proc.stdout
