@@ -186,18 +186,45 @@ def _print_summary(out: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
 @click.option("--server", help="submit to a remote Kiln (http://host:8000) instead of building here")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="with --server: follow the build to its end")
-def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, **options) -> None:
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="also write the validation report as JUnit XML to this file (CI test results)")
+@click.option("--report-html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="also write the validation report as HTML to this file")
+def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, junit_path: Path | None,
+          html_path: Path | None, **options) -> None:
     """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://)."""
+    reports: dict = {"junit": junit_path, "html": html_path}
+    try:
+        _build(checkpoint, dry_run, as_json, server, wait, reports, options)
+    except KilnError as exc:
+        if junit_path and not reports.get("written"):  # refused or failed before any report: say why in JUnit
+            from api.cli_report import build_error_junit, write_atomic
+
+            write_atomic(junit_path, build_error_junit({"status": "error", "error": {"code": exc.code,
+                                                                                      "message": str(exc)}}))
+        raise
+
+
+def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, reports: dict,
+           options: dict) -> None:
     from builder.pipeline import Builder
     from kiln.errors import ValidationFailed
     from kiln.settings import get_settings
     from kiln.spec import parse_spec
 
+    junit_path, html_path = reports["junit"], reports["html"]
     if server:
-        from api.remote import exit_for, remote_build
+        from api.cli_report import write_build_reports
+        from api.remote import exit_for, fetch_report_document, remote_build
 
+        if (junit_path or html_path) and not wait:
+            raise SpecError("--junit and --report-html need the build's verdict", field="wait",
+                            fix="drop --no-wait, or fetch the report later with kiln report")
         out = remote_build(server, spec_from_options(checkpoint, options), wait=wait, as_json=as_json,
                            progress=Progress(quiet=False), summary=_print_summary)
+        if wait:
+            write_build_reports(reports, out, lambda digest: fetch_report_document(server, digest))
+            reports["written"] = True
         if wait and (err := exit_for(out)) is not None:
             raise err
         return
@@ -215,6 +242,11 @@ def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wai
         click.echo(json.dumps(out, sort_keys=True))
     else:
         _print_summary(out)
+    if junit_path or html_path:
+        from api.cli_report import local_document, write_build_reports
+
+        write_build_reports(reports, out, local_document(sessions))
+        reports["written"] = True
     if out["status"] != "succeeded":
         raise ValidationFailed("the engine failed validation; it is stored as rejected and will not be served")
 
@@ -266,7 +298,8 @@ def artifacts_show(digest: str) -> None:
 @click.argument("ref")
 @click.argument("dest", type=click.Path(path_type=Path))
 @click.option("--server", help="pull from a remote Kiln's /v2 registry API (http://host:8000) instead of the local store")
-def pull(ref: str, dest: Path, server: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (digest, repository, status, dest)")
+def pull(ref: str, dest: Path, server: str | None, as_json: bool) -> None:
     """Pull engine REF ([model@]sha256:...) into DEST, verifying every blob against its digest."""
     if server:
         from api.pull import pull_remote
@@ -277,6 +310,10 @@ def pull(ref: str, dest: Path, server: str | None) -> None:
             note = f" (warning: this engine is {got.status})"
             click.echo(f"kiln: warning: {got.repository}@{got.digest} is {got.status} on {server}; "
                        "pulled anyway (pinned by digest)", err=True)
+        if as_json:
+            click.echo(json.dumps({"digest": got.digest, "repository": got.repository, "status": got.status,
+                                   "dest": str(dest), "server": server}, sort_keys=True))
+            return
         click.echo(f"pulled {got.repository}@{got.digest} from {server} into {dest}{note}")
         return
     from artifacts.oci import pull_image
@@ -286,6 +323,10 @@ def pull(ref: str, dest: Path, server: str | None) -> None:
     if dest.exists():
         raise SpecError(f"{dest} already exists", field="dest", fix="give a path that does not exist yet")
     pull_image(store, row.digest, dest)
+    if as_json:
+        click.echo(json.dumps({"digest": row.digest, "repository": row.repository, "status": row.status,
+                               "dest": str(dest), "server": None}, sort_keys=True))
+        return
     note = f" (warning: this engine is {row.status})" if row.status != "fresh" else ""
     click.echo(f"pulled {row.digest} into {dest}{note}")
 
@@ -321,6 +362,7 @@ def _register_commands() -> None:
     import api.cli_fit  # noqa: F401
     import api.cli_report  # noqa: F401  (report)
     import api.cli_models  # noqa: F401  (models)
+    import api.cli_resolve  # noqa: F401  (resolve)
 
 
 _register_commands()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import click
@@ -13,12 +14,16 @@ from api.cli import _context, main
 @click.option("--dry-run", is_flag=True, help="show what would be deleted, delete nothing")
 @click.option("--keep", default=2, show_default=True, type=int, help="newest non-fresh engines kept per tag, for rollbacks")
 @click.option("--older-than-days", default=7.0, show_default=True, type=float)
-def gc(dry_run: bool, keep: int, older_than_days: float) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def gc(dry_run: bool, keep: int, older_than_days: float, as_json: bool) -> None:
     """Delete old stale, revoked and rejected engines and unreachable blobs (never a tagged or fresh engine)."""
     from builder.gc import run_gc
 
     _, store, sessions = _context()
     plan = run_gc(sessions, store, dry_run=dry_run, keep=keep, older_than=timedelta(days=older_than_days))
+    if as_json:
+        click.echo(json.dumps({"dry_run": dry_run, **plan.to_dict()}, sort_keys=True))
+        return
     verb = "would delete" if dry_run else "deleted"
     click.echo(f"{verb} {len(plan.artifacts)} engine(s), {len(plan.referrers)} referrer(s), {len(plan.blobs)} blob(s), "
                f"{plan.bytes:,} bytes" + (f" ({plan.deferred})" if plan.deferred else ""))
@@ -27,7 +32,8 @@ def gc(dry_run: bool, keep: int, older_than_days: float) -> None:
 
 
 @main.command()
-def fsck() -> None:
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object (the exit code still says corrupted)")
+def fsck(as_json: bool) -> None:
     """Check every blob in the store against its digest; exit 3 when any is corrupted."""
     from kiln.errors import DigestMismatch
 
@@ -37,7 +43,11 @@ def fsck() -> None:
         n += 1
         if not store.verify(digest):
             bad.append(digest)
-            click.echo(f"corrupted {digest}")
-    click.echo(f"checked {n} blob(s): {len(bad)} corrupted")
+            if not as_json:
+                click.echo(f"corrupted {digest}")
+    if as_json:
+        click.echo(json.dumps({"checked": n, "corrupted": bad}, sort_keys=True))
+    else:
+        click.echo(f"checked {n} blob(s): {len(bad)} corrupted")
     if bad:
         raise DigestMismatch(f"{len(bad)} corrupted blob(s) in {store.url}", fix="restore them or rebuild the engines")

@@ -29,13 +29,21 @@ def _upgrade_embedded_db() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--workers", default=1, show_default=True, type=int, help="uvicorn worker processes")
-def api(host: str, port: int, workers: int) -> None:
+@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False),
+              help="serve HTTPS with this certificate (PEM; e.g. for the Kubernetes admission webhook)")
+@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), help="the certificate's private key (PEM)")
+def api(host: str, port: int, workers: int, ssl_certfile: str | None, ssl_keyfile: str | None) -> None:
     """Run the HTTP API (uvicorn)."""
     import uvicorn
 
+    from kiln.errors import SpecError
+
+    if bool(ssl_certfile) != bool(ssl_keyfile):
+        raise SpecError("--ssl-certfile and --ssl-keyfile go together", field="ssl_keyfile" if ssl_certfile
+                        else "ssl_certfile", fix="give both (the certificate and its key), or neither for HTTP")
     _upgrade_embedded_db()
     uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info",
-                access_log=workers == 1)
+                access_log=workers == 1, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
 
 
 def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None:

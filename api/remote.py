@@ -93,3 +93,44 @@ def exit_for(out: dict) -> e.KilnError | None:
         if getattr(cls, "code", None) == err.get("code"):
             return cls(err.get("message", out["status"]), field=err.get("field"), fix=err.get("fix"))
     return e.StageFailed(f"the build {out['status']}: {err.get('message', out.get('reason'))}")
+
+
+def _auth_headers() -> dict[str, str]:
+    import os
+
+    return {"Authorization": f"Bearer {os.environ['KILN_TOKEN']}"} if os.environ.get("KILN_TOKEN") else {}
+
+
+def fetch_report_document(server: str, digest: str) -> tuple[dict, str | None]:
+    """The validation report document and status of engine ``digest`` on a remote Kiln (the same document
+    ``kiln report`` renders from a local index), from ``GET /v1/artifacts/{digest}``."""
+    from validation.report import report_document
+
+    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
+        try:
+            resp = client.get(f"/v1/artifacts/{digest}")
+        except httpx.HTTPError as exc:
+            raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
+    if resp.status_code != 200:
+        raise _fail(resp)
+    a = resp.json()
+    doc = report_document(a["digest"], repository=a.get("repository"), tag=a.get("tag"),
+                          provenance=a.get("provenance") or {}, validation=a.get("validation") or {})
+    return doc, a.get("status")
+
+
+def remote_resolve(server: str, query: dict[str, str]) -> dict:
+    """``GET /v1/resolve`` on a remote Kiln: the one servable engine's body, or the domain error for why none is
+    (404: nothing servable yet, 409: only stale engines or none for the asked runtime; both ArtifactUnknown)."""
+    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
+        try:
+            resp = client.get("/v1/resolve", params={k: v for k, v in query.items() if v is not None})
+        except httpx.HTTPError as exc:
+            raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
+    if resp.status_code == 200:
+        return resp.json()
+    if resp.status_code in (404, 409):
+        err = resp.json().get("error", {})
+        raise e.ArtifactUnknown(err.get("message", f"HTTP {resp.status_code}"), field=err.get("field"),
+                                fix=err.get("fix"))
+    raise _fail(resp)

@@ -27,11 +27,39 @@ def tag_for(spec: BuildSpec) -> str:
     return f"{spec.precision}-{spec.target}-{spec.batch_profile.name}{suffix}"
 
 
+def _source_url(ref: str) -> str:
+    """Where the checkpoint came from, as a URL a registry UI can link (hf:// → the Hub page)."""
+    if ref.startswith("hf://"):
+        return "https://huggingface.co/" + ref[5:].split("@", 1)[0]
+    return ref if "://" in ref else f"file://{ref}"
+
+
+def runtime_for(spec: BuildSpec, toolchain: dict) -> str:
+    """What loads this engine: the exact toolchain for a TensorRT engine (in resolve's ``runtime=`` form), the
+    torch version for an AOTInductor package, the runtimes with serving configs for a checkpoint."""
+    if spec.backend == "trtllm-engine":
+        return f"tensorrt_llm={toolchain.get('tensorrt_llm', 'absent')},tensorrt={toolchain.get('tensorrt', 'absent')}"
+    if spec.backend == "aot-inductor":
+        return f"torch={toolchain.get('torch', 'absent')}"
+    return "tensorrt-llm-pytorch,vllm,sglang"
+
+
 def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: bool) -> dict[str, str]:
+    """Standard OCI annotations and Kiln's own, so a registry UI or a policy engine can read an engine's
+    identity without Kiln (``org.opencontainers.image.revision`` is the checkpoint's commit, or its content
+    digest where it has none)."""
+    checkpoint = provenance["checkpoint"]
     return {
         "org.opencontainers.image.title": spec.model_name or "",
         "org.opencontainers.image.version": tag_for(spec),
         "org.opencontainers.image.created": provenance["created"],
+        "org.opencontainers.image.source": _source_url(checkpoint["ref"]),
+        "org.opencontainers.image.revision": checkpoint.get("revision") or checkpoint["digest"],
+        f"{ANNOTATION_PREFIX}.engine.target": spec.target,
+        f"{ANNOTATION_PREFIX}.engine.precision": spec.precision,
+        f"{ANNOTATION_PREFIX}.engine.profile": spec.batch_profile.name,
+        f"{ANNOTATION_PREFIX}.engine.backend": spec.backend,
+        f"{ANNOTATION_PREFIX}.engine.runtime": runtime_for(spec, provenance["toolchain"]),
         f"{ANNOTATION_PREFIX}.build-key": build_key,
         f"{ANNOTATION_PREFIX}.checkpoint.digest": provenance["checkpoint"]["digest"],
         f"{ANNOTATION_PREFIX}.checkpoint.ref": provenance["checkpoint"]["ref"],

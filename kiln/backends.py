@@ -53,7 +53,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             status="runs here (CPU); CUDA compile measured on an H200 once"),
     Backend("checkpoint", "ModelOpt unified HF checkpoint (TensorRT-LLM PyTorch backend, vLLM, SGLang)", "hf",
             "builder.backends.checkpoint:CheckpointBackend", "validation.runners:CheckpointRunner",
-            gpu_only=False, tensor_parallel=False, kv_cache_quant=True, toolchain=(),
+            gpu_only=False, tensor_parallel=False, kv_cache_quant=True, toolchain=("kiln_serving",),
             status="runs here (validated on CPU from its own tensors)"),
     Backend("trtllm-engine", "TensorRT-LLM 1.2.x engine (trtllm-build)", "trtllm",
             "builder.backends.trtllm:TRTLLMBackend", "validation.runners:TRTLLMRunner",

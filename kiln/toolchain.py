@@ -25,6 +25,9 @@ TENSORRT_DISTS = ("tensorrt", "tensorrt-cu12", "tensorrt_cu12", "tensorrt-cu13",
                   "tensorrt-cu12-libs", "tensorrt_cu12_libs", "tensorrt-cu13-libs", "tensorrt_cu13_libs")
 TENSORRT_LLM_DISTS = ("tensorrt-llm", "tensorrt_llm")
 ABSENT = "absent"
+#: version of the serving configurations the ``checkpoint`` backend writes beside its files (builder/serving.py);
+#: part of that backend's toolchain, so a change to them is a new artifact, never a stale cached one
+SERVING_CONFIG_VERSION = "1"
 
 
 def _version(dist: str) -> str | None:
@@ -81,7 +84,7 @@ def _toolchain_for(backend: str, target: str) -> dict[str, str]:
     if target == "cpu":
         tc["cpu"] = f"{platform.machine()}-{cpu_capability()}"
     readers = {"tensorrt_llm": lambda: tensorrt_llm_version() or ABSENT, "tensorrt": lambda: tensorrt_version() or ABSENT,
-               "cuda": lambda: str(torch.version.cuda)}
+               "cuda": lambda: str(torch.version.cuda), "kiln_serving": lambda: SERVING_CONFIG_VERSION}
     for name in get_backend_info(backend).toolchain:  # what binds this backend's output (its descriptor says)
         if name != "cuda" or target != "cpu" or get_backend_info(backend).gpu_only:
             tc[name] = readers[name]()

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from builder.backends.base import Backend
+from builder.serving import write_serving_configs
 from kiln.spec import BuildSpec
 
 ENGINE_FORMAT = "kiln-hf-checkpoint/1"
@@ -25,4 +26,5 @@ class CheckpointBackend(Backend):
         engine = {"format": ENGINE_FORMAT, "precision": spec.precision, "kv_cache": spec.kv_cache,
                   "profile": spec.batch_profile.model_dump(), "target": spec.target}
         (out_dir / "engine.json").write_text(json.dumps(engine, indent=2, sort_keys=True))
+        write_serving_configs(spec, out_dir)  # serving/: trtllm-serve, vLLM and SGLang configs (builder/serving.py)
         return {"backend": self.name, "seconds": {}}

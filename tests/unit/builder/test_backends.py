@@ -255,7 +255,9 @@ def test_checkpoint_backend_copies_the_hf_export_and_writes_engine_json(nvfp4_ex
     record = backend.compile(s, nvfp4_export, out, checkpoint_dir=TINY)
     assert record["backend"] == "checkpoint"
     src = sorted(p.name for p in (nvfp4_export / "hf").iterdir())
-    assert sorted(p.name for p in out.iterdir()) == sorted(src + ["engine.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(src + ["engine.json", "serving"])
+    assert sorted(p.name for p in (out / "serving").iterdir()) == [
+        "serving.json", "sglang.yaml", "trtllm-serve.yaml", "vllm.yaml"]  # builder/serving.py, tests/unit/builder/test_serving.py
     for name in src:
         assert (out / name).read_bytes() == (nvfp4_export / "hf" / name).read_bytes()
     engine = json.loads((out / "engine.json").read_text())

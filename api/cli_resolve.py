@@ -1,0 +1,58 @@
+"""``kiln resolve``: which engine should a deployer run? Prints the one servable engine's digest (for deploy
+scripts: ``digest=$(kiln resolve …)``), or exits non-zero with one line saying why none is."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from api.cli import _context, main
+
+
+def default_backend(target: str) -> str:
+    """The backend a build for ``target`` uses when none is named (as ``kiln build`` and engine tags assume)."""
+    return "aot-inductor" if target == "cpu" else "trtllm-engine"
+
+
+def _resolve_local(query: dict) -> dict:
+    from kiln.errors import ArtifactUnknown
+    from workers.resolution import resolve_engine
+
+    _, _, sessions = _context()
+    with sessions() as session:
+        r = resolve_engine(session, **query)
+    if r.artifact is None:
+        raise ArtifactUnknown(r.reason, field="model", fix="wait for the build, or register/refresh the model")
+    a = r.artifact
+    return {"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status,
+            "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance}
+
+
+@main.command()
+@click.argument("model")
+@click.option("--precision", required=True, help="fp8 | nvfp4")
+@click.option("--target", required=True, help="cpu, sm89|sm90|sm100|sm120, or a GPU name (h100)")
+@click.option("--profile", default="latency", show_default=True, help="the batch profile's name")
+@click.option("--backend", help="aot-inductor | checkpoint | trtllm-engine (default: aot-inductor for cpu, "
+                                "trtllm-engine for a GPU)")
+@click.option("--runtime", help="the deployer's toolchain, e.g. tensorrt_llm=1.2.1,tensorrt=10.13.3: only an "
+                                "engine built with exactly these versions is returned")
+@click.option("--server", help="ask a remote Kiln (http://host:8000) instead of the local index")
+@click.option("--json", "as_json", is_flag=True, help="print the whole answer as one JSON object")
+def resolve(model: str, precision: str, target: str, profile: str, backend: str | None, runtime: str | None,
+            server: str | None, as_json: bool) -> None:
+    """Print the digest of the one fresh, validated engine of MODEL for this precision, target, profile, backend
+    (and runtime). Exits 2 when none is servable (not built yet, only stale engines, none for the runtime)."""
+    from kiln.spec import normalize_target
+
+    canonical, _ = normalize_target(target)  # an unknown target is refused by resolve itself, by field name
+    query = {"model": model, "precision": precision, "profile": profile, "target": target,
+             "backend": backend or default_backend(canonical or target), "runtime": runtime}
+    if server:
+        from api.remote import remote_resolve
+
+        body = remote_resolve(server, query)
+    else:
+        body = _resolve_local(query)
+    click.echo(json.dumps(body, sort_keys=True) if as_json else body["digest"])

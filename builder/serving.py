@@ -1,0 +1,144 @@
+"""Serving configurations for the ``checkpoint`` artifact: one per runtime that loads the quantized unified HF
+checkpoint directly, generated from the spec the artifact was built and validated for (its batch profile,
+precision and KV cache), so a deployer serves it inside the envelope validation measured.
+
+The files land in ``serving/`` beside the checkpoint (``kiln pull`` and an image-volume mount put them there too).
+Every command is written to run **from the artifact's directory** (``cd`` there, or ``workingDir`` in a pod), so
+the model path is ``.`` and config paths are ``serving/…``.
+
+Written against each runtime's documented options, looked up on 2026-12-01 (none of these runtimes has been run
+in this repository; no GPU runtime is installed here):
+
+- **TensorRT-LLM 1.2.x, PyTorch backend** — ``trtllm-serve MODEL --backend pytorch --extra_llm_api_options FILE``
+  (``tensorrt_llm/commands/serve.py``; 1.2 also accepts ``--config`` as an alias). The YAML holds LLM-API
+  arguments (``tensorrt_llm/llmapi/llm_args.py``): ``max_batch_size``, ``max_num_tokens``, ``max_seq_len``,
+  ``kv_cache_config.dtype`` ("auto" follows the checkpoint, "fp8" forces an FP8 cache; a PyTorch-backend-only
+  field) and ``cuda_graph_config`` (``batch_sizes``, ``enable_padding``; its validator derives
+  ``max_batch_size`` from ``batch_sizes``, so only the list is written). The quantization itself is read from
+  the checkpoint's ``hf_quant_config.json``; there is no option for it.
+- **vLLM 0.19** — ``vllm serve MODEL --config FILE`` (YAML keys are the long option names): ``max-num-seqs``,
+  ``max-model-len``, ``max-num-batched-tokens``, ``kv-cache-dtype`` (auto | fp8 …), ``quantization``
+  (``modelopt`` for ModelOpt FP8 checkpoints, ``modelopt_fp4`` for NVFP4; both read ``hf_quant_config.json``).
+- **SGLang 0.5** — ``python -m sglang.launch_server --config FILE`` (ServerArgs, YAML keys are the long option
+  names): ``model-path``, ``context-length``, ``max-running-requests``, ``max-prefill-tokens``,
+  ``chunked-prefill-size``, ``kv-cache-dtype`` (auto | fp8_e4m3 | fp8_e5m2 …), ``quantization``
+  (``modelopt_fp8`` | ``modelopt_fp4``), ``cuda-graph-max-bs`` and ``cuda-graph-bs``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from kiln.spec import BuildSpec
+from kiln.toolchain import SERVING_CONFIG_VERSION
+
+SERVING_DIR = "serving"
+MANIFEST = "serving.json"
+FORMAT = f"kiln-serving/{SERVING_CONFIG_VERSION}"
+
+#: runtime name → (documented version, config file name)
+RUNTIMES = {
+    "tensorrt-llm": ("1.2.1", "trtllm-serve.yaml"),
+    "vllm": ("0.19", "vllm.yaml"),
+    "sglang": ("0.5", "sglang.yaml"),
+}
+VLLM_QUANTIZATION = {"fp8": "modelopt", "nvfp4": "modelopt_fp4"}
+SGLANG_QUANTIZATION = {"fp8": "modelopt_fp8", "nvfp4": "modelopt_fp4"}
+KV_CACHE_DTYPE = {  # spec.kv_cache → each runtime's name ("auto": the checkpoint's own, unquantized here)
+    "tensorrt-llm": {"none": "auto", "fp8": "fp8"},
+    "vllm": {"none": "auto", "fp8": "fp8"},
+    "sglang": {"none": "auto", "fp8": "fp8_e4m3"},
+}
+
+
+def cuda_graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """Batch sizes to capture CUDA graphs for: powers of two below the profile's maximum, and the maximum itself
+    (with padding on, a batch runs in the smallest captured graph that holds it, so every size up to the
+    maximum is covered and none beyond it is captured)."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch_size]
+
+
+def trtllm_options(spec: BuildSpec) -> dict:
+    p = spec.batch_profile
+    return {
+        "max_batch_size": p.max_batch_size,
+        "max_num_tokens": p.max_num_tokens,
+        "max_seq_len": p.max_seq_len,
+        "kv_cache_config": {"dtype": KV_CACHE_DTYPE["tensorrt-llm"][spec.kv_cache]},
+        "cuda_graph_config": {"batch_sizes": cuda_graph_batch_sizes(p.max_batch_size), "enable_padding": True},
+    }
+
+
+def vllm_options(spec: BuildSpec) -> dict:
+    p = spec.batch_profile
+    return {
+        "served-model-name": spec.model_name,
+        "max-num-seqs": p.max_batch_size,
+        "max-model-len": p.max_seq_len,
+        "max-num-batched-tokens": p.max_num_tokens,
+        "kv-cache-dtype": KV_CACHE_DTYPE["vllm"][spec.kv_cache],
+        "quantization": VLLM_QUANTIZATION[spec.precision],
+    }
+
+
+def sglang_options(spec: BuildSpec) -> dict:
+    p = spec.batch_profile
+    return {
+        "model-path": ".",
+        "served-model-name": spec.model_name,
+        "context-length": p.max_seq_len,
+        "max-running-requests": p.max_batch_size,
+        "max-prefill-tokens": p.max_num_tokens,
+        "chunked-prefill-size": p.max_num_tokens,
+        "kv-cache-dtype": KV_CACHE_DTYPE["sglang"][spec.kv_cache],
+        "quantization": SGLANG_QUANTIZATION[spec.precision],
+        "cuda-graph-max-bs": p.max_batch_size,
+        "cuda-graph-bs": cuda_graph_batch_sizes(p.max_batch_size),
+    }
+
+
+def commands(spec: BuildSpec) -> dict[str, list[str]]:
+    """The command line per runtime, run from the artifact's directory (the model is ``.``)."""
+    d = SERVING_DIR
+    return {
+        "tensorrt-llm": ["trtllm-serve", ".", "--backend", "pytorch", "--host", "0.0.0.0", "--port", "8000",
+                         "--extra_llm_api_options", f"{d}/{RUNTIMES['tensorrt-llm'][1]}"],
+        "vllm": ["vllm", "serve", ".", "--host", "0.0.0.0", "--port", "8000", "--config", f"{d}/{RUNTIMES['vllm'][1]}"],
+        "sglang": ["python3", "-m", "sglang.launch_server", "--host", "0.0.0.0", "--port", "8000",
+                   "--config", f"{d}/{RUNTIMES['sglang'][1]}"],
+    }
+
+
+def serving_files(spec: BuildSpec) -> dict[str, str]:
+    """File name (inside ``serving/``) → text, for every runtime plus the manifest that lists them."""
+    options = {"tensorrt-llm": trtllm_options(spec), "vllm": vllm_options(spec), "sglang": sglang_options(spec)}
+    files = {RUNTIMES[r][1]: yaml.safe_dump(opts, sort_keys=False) for r, opts in options.items()}
+    argv = commands(spec)
+    manifest = {
+        "format": FORMAT, "model_name": spec.model_name, "precision": spec.precision, "kv_cache": spec.kv_cache,
+        "profile": spec.batch_profile.model_dump(), "target": spec.target,
+        "runtimes": {r: {"documented_version": RUNTIMES[r][0], "config": f"{SERVING_DIR}/{RUNTIMES[r][1]}",
+                         "argv": argv[r], "run_in_kiln_ci": False} for r in RUNTIMES},
+        "note": "written against each runtime's documented options; none of these runtimes was run by Kiln",
+    }
+    files[MANIFEST] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    return files
+
+
+def write_serving_configs(spec: BuildSpec, out_dir: Path) -> list[Path]:
+    """Write ``out_dir/serving/*`` for ``spec``; returns the written paths."""
+    target = out_dir / SERVING_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in serving_files(spec).items():
+        path = target / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written

@@ -1,0 +1,82 @@
+"""`kiln resolve`, `kiln report -o FILE` and `kiln pull --json` through the real CLI process, on an engine
+published into a KILN_HOME by the real publish stage (no build: fast)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+import pytest
+
+from artifacts.factory import open_store
+from builder.publish import publish
+from kiln import db
+from kiln.settings import Settings
+from kiln.spec import parse_spec
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def kiln(home: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "KILN_HOME": str(home)}, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> tuple[Path, str]:
+    home = tmp_path_factory.mktemp("deploy") / "kiln"
+    settings = Settings(home=home)
+    db.upgrade(settings.db_url)
+    store, sessions = open_store(settings.store), db.session_factory(settings.db_url)
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "model_name": "acme/tiny", "precision": "fp8",
+                       "profile": "balanced", "backend": "checkpoint", "target": "h100"}, [])
+    engine = home.parent / "engine"
+    (engine / "serving").mkdir(parents=True)
+    (engine / "config.json").write_text("{}")
+    (engine / "serving" / "vllm.yaml").write_text("max-num-seqs: 8\n")
+    gates = [{"name": "max_ppl_increase_pct", "value": 0.4, "threshold": 3.0, "passed": True}]
+    row = publish(store, sessions, engine, spec=spec, build_key=sha(b"k"),
+                  provenance={"created": "2026-12-01T00:00:00Z", "toolchain": {"torch": "2.13"},
+                              "checkpoint": {"ref": spec.checkpoint, "digest": sha(b"c"), "revision": "a" * 40}},
+                  validation={"passed": True, "gates": gates, "metrics": {}})
+    return home, row.digest
+
+
+def test_resolve_prints_exactly_the_digest(home):
+    path, digest = home
+    proc = kiln(path, "resolve", "acme/tiny", "--precision", "fp8", "--target", "h100", "--profile", "balanced",
+                "--backend", "checkpoint")
+    assert proc.returncode == 0 and proc.stdout == digest + "\n", proc.stderr
+    body = json.loads(kiln(path, "resolve", "acme/tiny", "--precision", "fp8", "--target", "sm90", "--profile",
+                           "balanced", "--backend", "checkpoint", "--json").stdout)
+    assert body["reference"] == f"acme/tiny@{digest}" and body["tag"] == "fp8-sm90-balanced-checkpoint"
+
+
+def test_resolve_default_backend_for_a_gpu_is_the_engine_backend(home):
+    path, _ = home  # no trtllm-engine build exists: the default backend finds none, and says which it asked for
+    proc = kiln(path, "resolve", "acme/tiny", "--precision", "fp8", "--target", "h100", "--profile", "balanced")
+    assert proc.returncode == 2 and "trtllm-engine" in proc.stderr and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_report_to_a_file_and_pull_json(home, tmp_path):
+    path, digest = home
+    out = tmp_path / "r" / "junit.xml"
+    assert kiln(path, "report", digest, "--format", "junit", "-o", str(out)).returncode == 0
+    assert ET.parse(out).getroot().find(".//testcase").get("name") == "max_ppl_increase_pct"
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary file left behind
+    dest = tmp_path / "pulled"
+    proc = kiln(path, "pull", digest, str(dest), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"digest": digest, "repository": "acme/tiny", "status": "fresh",
+                                       "dest": str(dest), "server": None}
+    assert (dest / "serving" / "vllm.yaml").read_text() == "max-num-seqs: 8\n"

@@ -1,0 +1,149 @@
+"""examples/ci: the reusable GitHub Actions workflow and the GitLab CI template, checked against GitHub's and
+GitLab's published schemas (check-jsonschema's vendored copies) and by actionlint, their ``kiln`` command lines
+against the real CLI's options, and the GitHub build step's script run for real with the real CLI (against a
+server that is not there: it must record the exit code and still fail the step)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+
+from api.cli import main as kiln_main
+
+REPO = Path(__file__).resolve().parents[3]
+GITHUB = REPO / "examples" / "ci" / "github" / "kiln-build.yml"
+GITLAB = REPO / "examples" / "ci" / "gitlab" / "kiln-build.gitlab-ci.yml"
+BIN = Path(sys.executable).parent
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.fail(f"{name} is not installed: pip install -e '.[test]' (it is in the test extra)")
+    return str(path)
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def build_options() -> set[str]:
+    cmd = kiln_main.commands["build"]
+    return {opt for p in cmd.params if isinstance(p, click.Option) for opt in p.opts + p.secondary_opts}
+
+
+def kiln_flags(script: str) -> set[str]:
+    """Every --flag the script passes to `kiln build` (the args array / `set --` lines)."""
+    flags = set()
+    for token in shlex.split(script.replace("\\\n", " "), comments=True, posix=True):
+        if token.startswith("--") and token != "--" and "=" not in token:  # `set --` is the shell's
+            flags.add(token.rstrip(")"))
+    return flags
+
+
+@pytest.mark.parametrize("schema,path", [("vendor.github-workflows", GITHUB), ("vendor.gitlab-ci", GITLAB)])
+def test_templates_validate_against_the_vendor_schemas(schema, path):
+    proc = subprocess.run([tool("check-jsonschema"), "--builtin-schema", schema, str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_actionlint_finds_nothing_in_the_workflow():
+    proc = subprocess.run([tool("actionlint"), "-no-color", str(GITHUB)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def github_build_step() -> dict:
+    steps = load(GITHUB)["jobs"]["build"]["steps"]
+    return next(s for s in steps if s.get("id") == "build")
+
+
+def test_github_workflow_is_reusable_with_the_inputs_a_ci_job_needs():
+    wf = load(GITHUB)
+    call = wf[True]["workflow_call"] if True in wf else wf["on"]["workflow_call"]  # YAML 1.1 reads `on` as True
+    assert {"kiln-url", "checkpoint", "matrix"} <= set(call["inputs"])
+    assert "kiln-token" in call["secrets"] and "digests" in call["outputs"]
+    build = wf["jobs"]["build"]
+    assert build["strategy"]["matrix"]["include"] == "${{ fromJSON(inputs.matrix) }}"
+    assert build["strategy"]["fail-fast"] is False
+    step = github_build_step()
+    assert step["env"]["KILN_TOKEN"] == "${{ secrets.kiln-token }}"  # the token only ever comes from a secret
+    assert "${{" not in step["run"]  # inputs reach the shell through env, never spliced into the script
+    upload = next(s for s in build["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact"))
+    assert upload["if"] == "always()" and upload["with"]["path"] == "kiln-reports/"
+
+
+def test_github_and_gitlab_command_lines_use_real_kiln_build_options():
+    real = build_options()
+    gitlab_script = "\n".join(load(GITLAB)[".kiln-build"]["script"])
+    for script in (github_build_step()["run"], gitlab_script):
+        used = kiln_flags(script)
+        assert {"--server", "--wait", "--junit", "--report-html", "--json"} <= used
+        assert used <= real, used - real
+
+
+def test_gitlab_template_reports_junit_always_and_passes_the_digest_on():
+    job = load(GITLAB)[".kiln-build"]
+    assert job["artifacts"]["when"] == "always"
+    assert job["artifacts"]["reports"]["junit"] == "kiln-reports/junit.xml"
+    assert job["artifacts"]["reports"]["dotenv"] == "kiln-reports/kiln.env"
+    assert load(GITLAB)["kiln-build"]["extends"] == ".kiln-build"
+
+
+def test_github_build_step_records_the_exit_code_and_fails_with_it(tmp_path):
+    """The step's own script, run by bash with the real CLI: no Kiln server listens on the URL, so kiln exits
+    3; the step must still write its outputs and summary, and exit 3 (failing the job)."""
+    shim = tmp_path / "bin" / "kiln"
+    shim.parent.mkdir()
+    shim.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m api.cli \"$@\"\n")
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    step = github_build_step()
+    work = tmp_path / "work"
+    work.mkdir()
+    out, summary = tmp_path / "output", tmp_path / "summary"
+    env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
+           "GITHUB_OUTPUT": str(out), "GITHUB_STEP_SUMMARY": str(summary), "KILN_URL": "http://127.0.0.1:9",
+           "KILN_TOKEN": "", "CHECKPOINT": "hf://acme/tiny@" + "a" * 40, "MODEL_NAME": "acme/tiny",
+           "PRECISION": "fp8", "TARGET": "h100", "PROFILE": "throughput", "BACKEND": "", "KV_CACHE": "none",
+           "ENTRY": "fp8-h100-throughput", "KILN_HOME": str(tmp_path / "home")}
+    proc = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "cannot reach http://127.0.0.1:9" in proc.stderr
+    outputs = dict(line.split("=", 1) for line in out.read_text().splitlines())
+    assert outputs == {"digest": "", "exit-code": "3"}
+    assert "error (exit 3)" in summary.read_text() and "fp8-h100-throughput" in summary.read_text()
+    assert (work / "kiln-reports" / "digest.json").read_text().strip() == '{"fp8-h100-throughput": ""}'
+    # no engine: the JUnit file holds the build error, so the CI test view says why
+    assert "<error" in (work / "kiln-reports" / "junit.xml").read_text()
+
+
+def test_gitlab_script_records_the_digest_file_and_fails_with_kilns_exit_code(tmp_path):
+    """The template's script (all but the pip install), run as GitLab's bash runner runs it (errexit, pipefail),
+    with the real CLI against an unreachable server: exit 3, the dotenv and JUnit files still written."""
+    shim = tmp_path / "bin" / "kiln"
+    shim.parent.mkdir()
+    shim.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m api.cli \"$@\"\n")
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    script = load(GITLAB)[".kiln-build"]["script"]
+    assert script[0].startswith("python -m pip install")
+    variables = {k: str(v) for k, v in load(GITLAB)["variables"].items()}
+    env = {**os.environ, **variables, "PATH": f"{shim.parent}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
+           "KILN_URL": "http://127.0.0.1:9", "KILN_CHECKPOINT": "hf://acme/tiny@" + "a" * 40,
+           "KILN_HOME": str(tmp_path / "home")}
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(script[1:])], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert (work / "kiln-reports" / "kiln.env").read_text() == "KILN_DIGEST=\n"
+    assert "<error" in (work / "kiln-reports" / "junit.xml").read_text()
+    assert "exit 3 digest none" in proc.stdout
