@@ -36,7 +36,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       head_dim=16, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
 }
-TRAIN_STEPS = 60
+TRAIN_STEPS = 20
 
 
 def make_config(family: str):
@@ -62,11 +62,11 @@ def make_checkpoint(family: str, dest: Path, *, train_steps: int = TRAIN_STEPS, 
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     # trained on the second half of the calibration text (calibration reads its start), windows of 64
     windows = ids[len(ids) // 2:][: (len(ids) // 2 // 65) * 65].view(-1, 65)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(train_steps):
-        batch = windows[torch.randint(0, len(windows), (8,), generator=gen)]
+        batch = windows[torch.randint(0, len(windows), (4,), generator=gen)]
         loss = model(input_ids=batch[:, :-1], labels=batch[:, 1:].contiguous(), use_cache=False).loss
         opt.zero_grad()
         loss.backward()

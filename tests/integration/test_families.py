@@ -103,3 +103,44 @@ def test_family_builds_validates_and_publishes_on_both_backends(family, tmp_path
     assert engine["family"] == family and engine["activation_quant_emulated"] is True
     # NVFP4 costs more accuracy than FP8 on the same model (a damaged dequantization would cost orders more)
     assert nvfp4_aot.validation["metrics"]["ppl_increase_pct"] < 50
+
+
+def test_a_non_llama_family_through_the_service_on_both_backends(tmp_path_factory):
+    """``kiln serve`` (API + worker, embedded defaults) builds Qwen3 on both backends; unsupported pairs and
+    non-causal checkpoints are refused by the API with a 422 naming ``checkpoint``, before anything is queued."""
+    import shutil
+
+    from tests.integration import api_checks
+    from tests.integration.stack import served
+
+    root = tmp_path_factory.mktemp("families-serve")
+    ckpt = root / "qwen3"
+    shutil.copytree(family_checkpoint(tmp_path_factory, "qwen3"), ckpt)
+    spec = {"checkpoint": str(ckpt), "precision": "fp8", "profile": PROFILE, "evaluation": EVALUATION,
+            "calibration": CALIBRATION}
+    moe = root / "moe"
+    shutil.copytree(family_checkpoint(tmp_path_factory, "qwen3_moe"), moe)
+    bert = root / "bert"
+    shutil.copytree(ckpt, bert)
+    (bert / "config.json").write_text(json.dumps({**json.loads((ckpt / "config.json").read_text()),
+                                                  "model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    with served(root / "kiln") as s:
+        for body, says in (({**spec, "checkpoint": str(moe), "backend": "trtllm-engine", "target": "sm90"}, "Qwen3-MoE"),
+                           ({**spec, "checkpoint": str(bert)}, "encoder-only")):
+            r = s.post("/v1/builds", body)
+            assert r.status_code == 422 and r.json()["error"]["field"] == "checkpoint", r.text
+            assert says in r.json()["error"]["message"]
+        assert s.get("/v1/builds").json()["builds"] == []  # nothing was queued
+        support = s.get("/v1/support").json()["support"]
+        assert {"family": "qwen3", "precision": "fp8", "backend": "checkpoint"}.items() <= next(
+            r for r in support if r["family"] == "qwen3" and r["backend"] == "checkpoint").items()
+        done = api_checks.submit_follow_and_query(s, {**spec, "backend": "checkpoint"})
+        aot = s.post("/v1/builds", {**spec, "backend": "aot-inductor"})
+        assert aot.status_code == 202, aot.text
+        finished = s.wait_build(aot.json()["id"], timeout=900)
+        assert finished["status"] == "succeeded", finished
+        stages = {st["name"]: st["status"] for st in finished["stages"]}
+        assert stages["quantize"] == "cached"  # the checkpoint build's calibration, reused
+        art = s.get(f"/v1/artifacts/{finished['digest']}").json()
+        assert art["backend"] == "aot-inductor" and art["validation"]["passed"] is True
+        assert done["digest"] != finished["digest"]
