@@ -103,8 +103,14 @@ def _hook(module: nn.Module, fake_quant, scale: float) -> None:
     module.register_forward_pre_hook(pre)
 
 
-def load_engine_model(directory: Path, *, dtype: torch.dtype = torch.float32) -> EngineModel:
-    """The exported checkpoint in ``directory`` as transformers computes it (see the module docstring)."""
+def load_engine_model(directory: Path, *, dtype: torch.dtype = torch.float32, for_export: bool = False,
+                      device: str = "cpu") -> EngineModel:
+    """The exported checkpoint in ``directory`` as transformers computes it (see the module docstring).
+
+    ``for_export``: the model is going into an AOTInductor package, which must load without Python. transformers'
+    default MoE kernel on CPU is a Python custom op (``transformers::grouped_mm_fallback``) that a package cannot
+    call, so experts use ``batched_mm`` there (plain gathers and batched matmuls; on CUDA, ``grouped_mm`` is
+    ``torch._grouped_mm``, a native op)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils import logging as hf_logging
 
@@ -112,13 +118,16 @@ def load_engine_model(directory: Path, *, dtype: torch.dtype = torch.float32) ->
     family = family_of(ckpt.config)
     config = _config(ckpt)
     state = {k: v.to(dtype) for k, v in ckpt.state.items()}
+    extra = {}
+    if for_export and family.moe:
+        extra["experts_implementation"] = "batched_mm" if device == "cpu" else "grouped_mm"
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the loading report is checked below, not printed
     hf_logging.disable_progress_bar()
     try:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
-                                                  output_loading_info=True)
+                                                  output_loading_info=True, **extra)
     except Exception as exc:
         raise StageFailed(f"transformers could not build {family.title} from the exported checkpoint: "
                           f"{type(exc).__name__}: {exc}") from exc
@@ -135,4 +144,6 @@ def load_engine_model(directory: Path, *, dtype: torch.dtype = torch.float32) ->
                           f"missing {missing[:3]}, unused {unexpected[:3]}, mismatched {mismatched[:3]}")
     model.eval()
     emulation = _quantize_inputs(model, ckpt)
+    if extra:
+        emulation["experts_kernel"] = extra["experts_implementation"]
     return EngineModel(model, family, ckpt, emulation)

@@ -57,7 +57,7 @@ class AOTInductorBackend(Backend):
         self.check_environment(spec)
         device = "cpu" if spec.target == "cpu" else "cuda"
         t0 = time.perf_counter()
-        built = load_engine_model(quantized_dir / "hf")
+        built = load_engine_model(quantized_dir / "hf", for_export=True, device=device)
         ckpt = built.checkpoint
         positions = int(ckpt.config.get("max_position_embeddings", 0))
         if spec.batch_profile.max_seq_len > positions:
