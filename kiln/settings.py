@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     bootstrap_token: str | None = None
     anonymous_read: bool = False  # allow artifacts:read endpoints (resolve, /v2 pulls) without a token
     max_body_bytes: int = 1 << 20
+    # `kiln pull --server`: the most bytes an engine's layers may declare together (a hostile server is refused
+    # before anything is downloaded)
+    pull_max_bytes: int = Field(default=256 << 30, gt=0)
     redirect_blobs: bool = False  # /v2 blob GETs answer 307 to a short-lived presigned S3 URL (S3 stores only)
 
     @property
