@@ -24,7 +24,9 @@ from typing import Any, BinaryIO
 import httpx
 
 from artifacts.oci import MEDIA_TYPE_IMAGE_LAYER, MEDIA_TYPE_IMAGE_MANIFEST
+from artifacts.signing import BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE, SIGNATURE_FILE
 from artifacts.tarball import unpack_tar
+from builder.verify import verify_engine
 from kiln import errors as e
 from kiln.digests import parse_digest
 
@@ -35,6 +37,8 @@ CHUNK = 1 << 20
 MANIFEST_MAX = 4 << 20  # the distribution-spec lets registries refuse manifests over 4 MiB; so do we
 CONFIG_MAX = 4 << 20  # an image config is JSON parsed in memory: the same bound
 ERROR_MAX = 64 << 10  # an error body is read only to quote its message
+SIGNATURE_MAX = 16 << 20  # a signature bundle lists every file's digest; an envelope holds the provenance
+SIGNATURES_MAX = 16  # signature referrers read per engine (rotation leaves a few)
 
 
 class UnsafeLayer(e.KilnError):
@@ -51,6 +55,8 @@ class Pulled:
     dest: Path
     layers: int
     size: int  # bytes of the layers
+    signed: bool = False  # a model.sig was written beside the files
+    verified_key: str | None = None  # with verify keys: the fingerprint of the key that verified the engine
 
 
 def split_ref(ref: str) -> tuple[str | None, str]:
@@ -198,10 +204,12 @@ def _get_config(client: httpx.Client, name: str, manifest: dict[str, Any]) -> di
 
 
 def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | None = None,
-                timeout: float = 60, max_bytes: int | None = None) -> Pulled:
+                timeout: float = 60, max_bytes: int | None = None,
+                verify_keys: dict[str, bytes] | None = None) -> Pulled:
     """Pull engine ``ref`` (``model@sha256:…``, or a bare digest the server's /v1 API can place) from the Kiln at
     ``server`` into ``dest``, which must not exist. ``max_bytes`` bounds the layers together (default
-    ``KILN_PULL_MAX_BYTES``); ``client`` replaces the HTTP client (tests)."""
+    ``KILN_PULL_MAX_BYTES``). With ``verify_keys`` (fingerprint → public PEM) nothing is written unless the engine's
+    files and provenance verify with one of them. ``client`` replaces the HTTP client (tests)."""
     dest = Path(dest)
     if dest.exists() or dest.is_symlink():
         raise e.SpecError(f"{dest} already exists", field="dest", fix="give a path that does not exist yet")
@@ -218,7 +226,7 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
                               headers=headers, follow_redirects=True)
     try:
         try:
-            return _pull(client, name or _repository_of(client, digest), digest, dest, max_bytes)
+            return _pull(client, name or _repository_of(client, digest), digest, dest, max_bytes, verify_keys)
         except httpx.HTTPError as exc:
             raise e.StorageUnavailable(f"cannot pull from {server}: {exc}",
                                        fix="check --server and that kiln api runs") from None
@@ -227,7 +235,28 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
             client.close()
 
 
-def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: int) -> Pulled:
+def get_signatures(client: httpx.Client, name: str, digest: str) -> tuple[list[bytes], list[bytes]]:
+    """(engine-files bundles, provenance envelopes) the server lists as referrers of ``digest``, newest first;
+    every index, manifest and payload read bounded and checked against its digest and subject."""
+    _, body, _ = _get_json(client, f"/v2/{name}/referrers/{digest}", MANIFEST_MAX, f"referrers of {digest}")
+    try:
+        listed = json.loads(body).get("manifests") or []
+    except (ValueError, AttributeError):
+        raise e.KilnError(f"the referrers of {digest} are not an image index") from None
+    out: dict[str, list[bytes]] = {BUNDLE_TYPE: [], IN_TOTO_PAYLOAD_TYPE: []}
+    wanted = [d for d in reversed(listed) if isinstance(d, dict) and d.get("artifactType") in out][:SIGNATURES_MAX]
+    for d in wanted:
+        ref_digest = parse_digest(str(d.get("digest", "")), field="referrer.digest")
+        m, _, _ = get_manifest(client, name, ref_digest)
+        layers = m.get("layers")
+        if (m.get("subject") or {}).get("digest") != digest or not isinstance(layers, list) or len(layers) != 1:
+            continue  # not about this engine, whatever the index says
+        out[d["artifactType"]].append(get_small_blob(client, name, layers[0], SIGNATURE_MAX, "a signature"))
+    return out[BUNDLE_TYPE], out[IN_TOTO_PAYLOAD_TYPE]
+
+
+def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: int,
+          verify_keys: dict[str, bytes] | None = None) -> Pulled:
     manifest, _, status = get_manifest(client, name, digest)
     layers = manifest.get("layers")
     if not isinstance(layers, list) or not layers:
@@ -257,9 +286,23 @@ def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: i
                     raise UnsafeLayer(f"layer {layer_digest} is verified but not a safe engine archive: "
                                       f"{exc}") from None
                 path.unlink()
+        if verify_keys is not None:
+            bundles, envelopes = get_signatures(client, name, digest)
+            verified = verify_engine(digest, manifest, staging, bundles=bundles, envelopes=envelopes, keys=verify_keys)
+            bundle, key = verified.bundle, verified.key
+        else:
+            try:
+                bundles, _ = get_signatures(client, name, digest)
+            except e.KilnError:  # an unverified pull works against registries without referrers
+                bundles = []
+            bundle, key = (bundles[0] if bundles else None), None
+        if bundle is not None:
+            if (staging / SIGNATURE_FILE).exists():
+                raise UnsafeLayer(f"the engine's layer holds a {SIGNATURE_FILE}, where its signature goes")
+            (staging / SIGNATURE_FILE).write_bytes(bundle)
         os.chmod(staging, 0o755)
         os.rename(staging, dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Pulled(name, digest, status, dest, len(layers), total)
+    return Pulled(name, digest, status, dest, len(layers), total, bundle is not None, key)
