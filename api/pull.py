@@ -7,6 +7,13 @@ its descriptor (digest and size), and only then unpacked — with :func:`artifac
 rules as a local pull (regular files and directories only, nothing leaving the destination) — into a staging
 directory that is renamed to ``DIR`` when every layer is in. Any failure leaves nothing at ``DIR``; a byte
 that does not match its digest raises :class:`~kiln.errors.DigestMismatch` (exit code 3).
+
+No size the server states is trusted: manifests, configs, referrer indexes and error bodies are read bounded as
+they arrive (chunked or not), a descriptor over the bound (``KILN_PULL_MAX_BYTES`` for layers) is refused before
+its download, a blob is never read past its descriptor's size, a ``Content-Encoding`` is refused rather than
+inflated, and a sparse tar member is refused rather than expanded. The engine's signature bundle (a referrer) is
+written beside the files as ``model.sig``; with verify keys, nothing is written unless the files and the signed
+provenance verify (:mod:`builder.verify`).
 """
 
 from __future__ import annotations
