@@ -294,7 +294,10 @@ def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: i
                                       f"{exc}") from None
                 path.unlink()
         if verify_keys is not None:
-            bundles, envelopes = get_signatures(client, name, digest)
+            try:
+                bundles, envelopes = get_signatures(client, name, digest)
+            except e.ArtifactUnknown:  # a registry without referrers: nothing signed, so "unsigned" below
+                bundles, envelopes = [], []
             verified = verify_engine(digest, manifest, staging, bundles=bundles, envelopes=envelopes, keys=verify_keys)
             bundle, key = verified.bundle, verified.key
         else:

@@ -15,7 +15,7 @@ import pytest
 from api.pull import MANIFEST_MAX, UnsafeLayer, pull_remote
 from artifacts.oci import MEDIA_TYPE_IMAGE_LAYER, MEDIA_TYPE_IMAGE_MANIFEST
 from kiln.digests import canonical_json, sha256_bytes
-from kiln.errors import DigestMismatch
+from kiln.errors import DigestMismatch, SignatureInvalid
 
 REPO = "acme/tiny"
 
@@ -234,3 +234,57 @@ def test_a_content_encoded_blob_is_refused_not_inflated(hostile, tmp_path):
     hostile.headers[f"/v2/{REPO}/blobs/{ld}"] = {"Content-Encoding": "gzip"}
     with pytest.raises(DigestMismatch, match="Content-Encoding"):
         pull_remote(hostile.url, f"{REPO}@{d}", tmp_path / "engine")
+
+
+def _small_layer() -> bytes:
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        info = tarfile.TarInfo("config.json")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"{}"))
+    return layer.getvalue()
+
+
+def _referrer(subject: str, payload_desc: dict, artifact_type: str) -> tuple[str, bytes]:
+    m = canonical_json({"schemaVersion": 2, "mediaType": MEDIA_TYPE_IMAGE_MANIFEST, "artifactType": artifact_type,
+                        "config": {"mediaType": "application/vnd.oci.empty.v1+json",
+                                   "digest": sha256_bytes(b"{}"), "size": 2},
+                        "layers": [payload_desc],
+                        "subject": {"mediaType": MEDIA_TYPE_IMAGE_MANIFEST, "digest": subject, "size": 1}})
+    return sha256_bytes(m), m
+
+
+def test_verify_key_refuses_unsigned_foreign_and_oversized_signatures(hostile, tmp_path):
+    from artifacts.signing import BUNDLE_TYPE
+
+    keys = {"sha256:" + "e" * 64: b"unused"}
+    d = hostile.engine(_small_layer())
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(SignatureInvalid, match="unsigned"):  # no referrers API at all
+        pull_remote(hostile.url, f"{REPO}@{d}", out / "engine", verify_keys=keys)
+    assert _nothing_at(out / "engine")
+    # a "signature" about another engine is not this engine's
+    sig = b'{"not": "a bundle"}'
+    other, other_m = _referrer("sha256:" + "3" * 64, {"mediaType": BUNDLE_TYPE, "digest": sha256_bytes(sig),
+                                                      "size": len(sig)}, BUNDLE_TYPE)
+    index = canonical_json({"schemaVersion": 2, "manifests": [
+        {"mediaType": MEDIA_TYPE_IMAGE_MANIFEST, "digest": other, "size": len(other_m), "artifactType": BUNDLE_TYPE}]})
+    hostile.routes.update({f"/v2/{REPO}/referrers/{d}": index, f"/v2/{REPO}/manifests/{other}": other_m,
+                           f"/v2/{REPO}/blobs/{sha256_bytes(sig)}": sig})
+    with pytest.raises(SignatureInvalid, match="unsigned"):
+        pull_remote(hostile.url, f"{REPO}@{d}", out / "engine", verify_keys=keys)
+    assert _nothing_at(out / "engine")
+    # one that declares a gigabyte is refused before it is downloaded
+    huge, huge_m = _referrer(d, {"mediaType": BUNDLE_TYPE, "digest": "sha256:" + "4" * 64, "size": 1 << 30},
+                             BUNDLE_TYPE)
+    hostile.routes.update({f"/v2/{REPO}/referrers/{d}": canonical_json({"schemaVersion": 2, "manifests": [
+        {"mediaType": MEDIA_TYPE_IMAGE_MANIFEST, "digest": huge, "size": len(huge_m), "artifactType": BUNDLE_TYPE}]}),
+        f"/v2/{REPO}/manifests/{huge}": huge_m})
+    with pytest.raises(DigestMismatch, match="a signature"):
+        pull_remote(hostile.url, f"{REPO}@{d}", out / "engine", verify_keys=keys)
+    assert _nothing_at(out / "engine") and not [p for p in hostile.asked if "4444" in p]
+    # without verify keys the pull works and writes no model.sig it cannot place
+    hostile.routes[f"/v2/{REPO}/referrers/{d}"] = index
+    got = pull_remote(hostile.url, f"{REPO}@{d}", out / "engine")
+    assert not got.signed and not (out / "engine" / "model.sig").exists()
