@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kiln
 from api.errors import http_status
-from api.routes import artifacts, builds, dashboard, health, metrics, models, oci, workers
+from api.routes import admission, artifacts, builds, dashboard, health, keys, metrics, models, oci, workers
 from kiln.errors import KilnError
 from kiln.settings import Settings, get_settings
 from kiln.spec import BuildSpec
@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
     app.state.enqueue = enqueue or celery_enqueue
     app.state.broker_check = _broker_check(settings.broker)
     for r in (health.router, builds.router, artifacts.router, workers.router, models.router, oci.router,
-              dashboard.router, metrics.router):
+              dashboard.router, metrics.router, keys.router, admission.router):
         app.include_router(r)
     from fastapi.staticfiles import StaticFiles
 

@@ -40,7 +40,7 @@ def required_scope(method: str, path: str) -> str | None:
         return "admin"
     if method in ("GET", "HEAD", "OPTIONS"):
         return "artifacts:read"
-    if path.startswith("/v1/fit"):
+    if path.startswith("/v1/fit") or path == "/v1/admission/validate":  # reads only: a read token suffices
         return "artifacts:read"
     return "builds:write"
 

@@ -299,12 +299,18 @@ def artifacts_show(digest: str) -> None:
 @click.argument("dest", type=click.Path(path_type=Path))
 @click.option("--server", help="pull from a remote Kiln's /v2 registry API (http://host:8000) instead of the local store")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (digest, repository, status, dest)")
-def pull(ref: str, dest: Path, server: str | None, as_json: bool) -> None:
-    """Pull engine REF ([model@]sha256:...) into DEST, verifying every blob against its digest."""
+@click.option("--verify-key", help="public key (PEM file): write nothing unless the engine's files and signed "
+                                   "provenance verify with it")
+def pull(ref: str, dest: Path, server: str | None, as_json: bool, verify_key: str | None) -> None:
+    """Pull engine REF ([model@]sha256:...) into DEST, verifying every blob against its digest; its signature
+    is written beside the files as DEST/model.sig (model_signing verify key checks it offline)."""
+    from builder.verify import keys_from
+
+    keys = keys_from(verify_key) if verify_key else None  # a bad key file is refused before any download
     if server:
         from api.pull import pull_remote
 
-        got = pull_remote(server, ref, dest)
+        got = pull_remote(server, ref, dest, verify_keys=keys)
         note = ""
         if got.status not in (None, "fresh"):
             note = f" (warning: this engine is {got.status})"
@@ -312,23 +318,28 @@ def pull(ref: str, dest: Path, server: str | None, as_json: bool) -> None:
                        "pulled anyway (pinned by digest)", err=True)
         if as_json:
             click.echo(json.dumps({"digest": got.digest, "repository": got.repository, "status": got.status,
-                                   "dest": str(dest), "server": server}, sort_keys=True))
+                                   "dest": str(dest), "server": server, "signed": got.signed,
+                                   "verified_key": got.verified_key}, sort_keys=True))
             return
-        click.echo(f"pulled {got.repository}@{got.digest} from {server} into {dest}{note}")
+        signed = f"; verified, signed by {got.verified_key}" if got.verified_key else (
+            "" if got.signed else "; unsigned: no model.sig")
+        click.echo(f"pulled {got.repository}@{got.digest} from {server} into {dest}{note}{signed}")
         return
-    from artifacts.oci import pull_image
+    from builder.verify import pull_local
 
     _, store, sessions = _context()
     row = _find_artifact(sessions, ref)
     if dest.exists():
         raise SpecError(f"{dest} already exists", field="dest", fix="give a path that does not exist yet")
-    pull_image(store, row.digest, dest)
+    has_sig, verified = pull_local(store, sessions, row.digest, dest, keys=keys)
     if as_json:
         click.echo(json.dumps({"digest": row.digest, "repository": row.repository, "status": row.status,
-                               "dest": str(dest), "server": None}, sort_keys=True))
+                               "dest": str(dest), "server": None, "signed": has_sig,
+                               "verified_key": verified.key if verified else None}, sort_keys=True))
         return
     note = f" (warning: this engine is {row.status})" if row.status != "fresh" else ""
-    click.echo(f"pulled {row.digest} into {dest}{note}")
+    signed = f"; verified, signed by {verified.key}" if verified else ("" if has_sig else "; unsigned: no model.sig")
+    click.echo(f"pulled {row.digest} into {dest}{note}{signed}")
 
 
 @main.group("db")
@@ -363,6 +374,7 @@ def _register_commands() -> None:
     import api.cli_report  # noqa: F401  (report)
     import api.cli_models  # noqa: F401  (models)
     import api.cli_resolve  # noqa: F401  (resolve)
+    import api.cli_sign  # noqa: F401  (verify, keys)
 
 
 _register_commands()

@@ -13,6 +13,7 @@ TABLE: dict[type[e.KilnError], tuple[int, int]] = {
     e.BlobUnknown: (404, 2),
     e.ArtifactUnknown: (404, 2),
     e.ValidationFailed: (422, 1),
+    e.SignatureInvalid: (422, 1),
     e.BuildCancelled: (409, 3),
     e.DigestMismatch: (502, 3),
     e.ToolchainMissing: (503, 3),

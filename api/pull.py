@@ -7,12 +7,18 @@ its descriptor (digest and size), and only then unpacked — with :func:`artifac
 rules as a local pull (regular files and directories only, nothing leaving the destination) — into a staging
 directory that is renamed to ``DIR`` when every layer is in. Any failure leaves nothing at ``DIR``; a byte
 that does not match its digest raises :class:`~kiln.errors.DigestMismatch` (exit code 3).
+
+No size the server states is trusted: manifests, configs, referrer indexes and error bodies are read bounded as
+they arrive (chunked or not), a descriptor over the bound (``KILN_PULL_MAX_BYTES`` for layers) is refused before
+its download, a blob is never read past its descriptor's size, a ``Content-Encoding`` is refused rather than
+inflated, and a sparse tar member is refused rather than expanded. The engine's signature bundle (a referrer) is
+written beside the files as ``model.sig``; with verify keys, nothing is written unless the files and the signed
+provenance verify (:mod:`builder.verify`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -20,19 +26,26 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
 from artifacts.oci import MEDIA_TYPE_IMAGE_LAYER, MEDIA_TYPE_IMAGE_MANIFEST
+from artifacts.signing import BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE, SIGNATURE_FILE
 from artifacts.tarball import unpack_tar
+from builder.verify import verify_engine
 from kiln import errors as e
-from kiln.digests import parse_digest, sha256_bytes
+from kiln.digests import parse_digest
 
-ACCEPT = ", ".join([MEDIA_TYPE_IMAGE_MANIFEST, "application/vnd.oci.image.index.v1+json"])
+MEDIA_TYPE_IMAGE_INDEX = "application/vnd.oci.image.index.v1+json"
+ACCEPT = ", ".join([MEDIA_TYPE_IMAGE_MANIFEST, MEDIA_TYPE_IMAGE_INDEX])
 STATUS_HEADER = "Kiln-Engine-Status"
 CHUNK = 1 << 20
 MANIFEST_MAX = 4 << 20  # the distribution-spec lets registries refuse manifests over 4 MiB; so do we
+CONFIG_MAX = 4 << 20  # an image config is JSON parsed in memory: the same bound
+ERROR_MAX = 64 << 10  # an error body is read only to quote its message
+SIGNATURE_MAX = 16 << 20  # a signature bundle lists every file's digest; an envelope holds the provenance
+SIGNATURES_MAX = 16  # signature referrers read per engine (rotation leaves a few)
 
 
 class UnsafeLayer(e.KilnError):
@@ -49,6 +62,8 @@ class Pulled:
     dest: Path
     layers: int
     size: int  # bytes of the layers
+    signed: bool = False  # a model.sig was written beside the files
+    verified_key: str | None = None  # with verify keys: the fingerprint of the key that verified the engine
 
 
 def split_ref(ref: str) -> tuple[str | None, str]:
@@ -57,13 +72,42 @@ def split_ref(ref: str) -> tuple[str | None, str]:
     return (name or None) if sep else None, parse_digest(digest, field="digest")
 
 
-def _error(resp: httpx.Response, what: str) -> e.KilnError:
-    """A KilnError for an OCI error response (``{"errors": [{code, message, detail}]}``)."""
+def _read_bounded(resp: httpx.Response, limit: int, what: str) -> bytes:
+    """The body of a streamed response, refused as soon as it passes ``limit`` bytes (whatever
+    ``Content-Length`` says, and with no length at all: a chunked body is counted as it arrives)."""
+    declared = resp.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise e.DigestMismatch(f"{what} from the server is {declared} bytes, over the {limit} allowed; refusing it")
+    parts, got = [], 0
+    for chunk in _raw_chunks(resp, what):
+        got += len(chunk)
+        if got > limit:
+            raise e.DigestMismatch(f"{what} from the server is over the {limit} bytes allowed; refusing it")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _raw_chunks(resp: httpx.Response, what: str):
+    """The body as sent: a content-encoded body is refused rather than decoded (a small gzip body can inflate
+    to any size before a bound could see it, and digests name the bytes as stored)."""
+    encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise e.DigestMismatch(f"{what} came with Content-Encoding {encoding!r}; only identity is accepted")
     try:
-        first = (resp.json().get("errors") or [{}])[0]
-    except (ValueError, AttributeError):
+        yield from resp.iter_raw(CHUNK)
+    except httpx.StreamConsumed:  # a response built in memory (an in-process transport): its bytes are all here
+        yield resp.content
+
+
+def _error(resp: httpx.Response, what: str) -> e.KilnError:
+    """A KilnError for an OCI error response (``{"errors": [{code, message, detail}]}``), read bounded."""
+    try:
+        first = (json.loads(_read_bounded(resp, ERROR_MAX, "an error body")).get("errors") or [{}])[0]
+    except (ValueError, AttributeError, TypeError, IndexError, e.KilnError):
         first = {}
-    message = f"{what}: {first.get('message') or f'HTTP {resp.status_code}'}"
+    if not isinstance(first, dict):
+        first = {}
+    message = f"{what}: {str(first.get('message') or f'HTTP {resp.status_code}')[:500]}"
     code = first.get("code")
     if resp.status_code in (401, 403):
         return e.SpecError(message, field="KILN_TOKEN", fix="set KILN_TOKEN to a token with the artifacts:read scope")
@@ -76,49 +120,65 @@ def _error(resp: httpx.Response, what: str) -> e.KilnError:
     return e.StorageUnavailable(message, fix="retry; check the server's logs")
 
 
+def _get_json(client: httpx.Client, path: str, limit: int, what: str,
+              headers: dict[str, str] | None = None) -> tuple[int, bytes, httpx.Headers]:
+    """GET ``path`` streamed, its body read bounded by ``limit``; (status, body, headers)."""
+    with client.stream("GET", path, headers={"Accept-Encoding": "identity", **(headers or {})}) as resp:
+        if resp.status_code != 200:
+            raise _error(resp, what)
+        return resp.status_code, _read_bounded(resp, limit, what), resp.headers
+
+
 def _repository_of(client: httpx.Client, digest: str) -> str:
     """The repository of an engine known only by digest, asked of the server's /v1 API."""
-    resp = client.get(f"/v1/artifacts/{digest}")
-    if resp.status_code != 200:
+    try:
+        _, body, _ = _get_json(client, f"/v1/artifacts/{digest}", MANIFEST_MAX, f"engine {digest}")
+        name = json.loads(body)["repository"]
+    except (e.KilnError, ValueError, KeyError, TypeError):
+        name = None
+    if not isinstance(name, str) or not name:
         raise e.ArtifactUnknown(f"the server knows no engine {digest}", field="ref",
                                 fix="write model@sha256:… (see GET /v1/artifacts on the server)")
-    return resp.json()["repository"]
+    return name
 
 
-def _get_manifest(client: httpx.Client, name: str, digest: str) -> tuple[dict[str, Any], str | None]:
-    resp = client.get(f"/v2/{name}/manifests/{digest}", headers={"Accept": ACCEPT})
-    if resp.status_code != 200:
-        raise _error(resp, f"manifest {name}@{digest}")
-    data = resp.content
-    if len(data) > MANIFEST_MAX:
-        raise e.DigestMismatch(f"manifest {digest} from the server is {len(data)} bytes; refusing it")
-    if (actual := sha256_bytes(data)) != digest:
+def get_manifest(client: httpx.Client, name: str, digest: str) -> tuple[dict[str, Any], bytes, str | None]:
+    """The manifest ``name@digest`` (read at most 4 MiB, verified against ``digest``), its bytes, and the
+    server's engine status header."""
+    _, data, headers = _get_json(client, f"/v2/{name}/manifests/{digest}", MANIFEST_MAX,
+                                 f"manifest {name}@{digest}", {"Accept": ACCEPT})
+    if (actual := "sha256:" + hashlib.sha256(data).hexdigest()) != digest:
         raise e.DigestMismatch(f"the server sent manifest {digest} as bytes hashing to {actual}")
     try:
         manifest = json.loads(data)
     except ValueError:
-        raise e.KilnError(f"{digest} is not JSON, so not an engine image") from None
+        raise e.KilnError(f"{digest} is not JSON, so not an OCI manifest") from None
     if not isinstance(manifest, dict) or manifest.get("schemaVersion") != 2 or (
             manifest.get("mediaType", MEDIA_TYPE_IMAGE_MANIFEST) != MEDIA_TYPE_IMAGE_MANIFEST):
         raise e.KilnError(f"{digest} is not an OCI image manifest, so not an engine image")
-    return manifest, resp.headers.get(STATUS_HEADER)
+    return manifest, data, headers.get(STATUS_HEADER)
 
 
-def _descriptor(desc: Any) -> tuple[str, int]:
-    if not isinstance(desc, dict) or not isinstance(desc.get("size"), int) or desc["size"] < 0:
-        raise e.KilnError(f"malformed descriptor in the manifest: {desc!r}")
-    return parse_digest(desc.get("digest", ""), field="descriptor.digest"), desc["size"]
+def _descriptor(desc: Any, limit: int, what: str) -> tuple[str, int]:
+    """(digest, size) of a descriptor, refused when malformed or when it declares more than ``limit`` bytes
+    (before anything is downloaded)."""
+    if not isinstance(desc, dict) or type(desc.get("size")) is not int or desc["size"] < 0:
+        raise e.KilnError(f"malformed descriptor in the manifest: {str(desc)[:200]}")
+    digest = parse_digest(desc.get("digest", ""), field="descriptor.digest")
+    if desc["size"] > limit:
+        raise e.DigestMismatch(f"{what} {digest} declares {desc['size']} bytes, over the {limit} allowed; refusing it",
+                               fix="raise KILN_PULL_MAX_BYTES if this engine really is that large")
+    return digest, desc["size"]
 
 
-def _download(client: httpx.Client, name: str, desc: dict[str, Any], out) -> None:
-    """Stream one blob into ``out`` while hashing it; DigestMismatch unless it matches its descriptor."""
-    digest, size = _descriptor(desc)
+def download(client: httpx.Client, name: str, digest: str, size: int, out: BinaryIO) -> None:
+    """Stream blob ``digest`` into ``out`` while hashing it, never past ``size`` bytes (already bounded by
+    :func:`_descriptor`); DigestMismatch unless it matches."""
     hasher, got = hashlib.sha256(), 0
-    with client.stream("GET", f"/v2/{name}/blobs/{digest}") as resp:
+    with client.stream("GET", f"/v2/{name}/blobs/{digest}", headers={"Accept-Encoding": "identity"}) as resp:
         if resp.status_code != 200:
-            resp.read()
             raise _error(resp, f"blob {digest}")
-        for chunk in resp.iter_bytes(CHUNK):
+        for chunk in _raw_chunks(resp, f"blob {digest}"):
             got += len(chunk)
             if got > size:  # never store more than the descriptor promised
                 raise e.DigestMismatch(f"blob {digest} is longer than the {size} bytes its descriptor says")
@@ -129,23 +189,42 @@ def _download(client: httpx.Client, name: str, desc: dict[str, Any], out) -> Non
         raise e.DigestMismatch(f"blob {digest} is corrupted: received {got} bytes hashing to {actual}")
 
 
-def _get_config(client: httpx.Client, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+def get_small_blob(client: httpx.Client, name: str, desc: Any, limit: int, what: str) -> bytes:
+    """A blob parsed in memory (a config, a signature), bounded by its descriptor and ``limit``."""
+    import io
+
+    digest, size = _descriptor(desc, limit, what)
     buf = io.BytesIO()
-    _download(client, name, manifest.get("config"), buf)
+    download(client, name, digest, size, buf)
+    return buf.getvalue()
+
+
+def _get_config(client: httpx.Client, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    data = get_small_blob(client, name, manifest.get("config"), CONFIG_MAX, "the image config")
     try:
-        return json.loads(buf.getvalue())
+        config = json.loads(data)
     except ValueError:
         raise e.KilnError("the engine's image config is not JSON") from None
+    if not isinstance(config, dict):
+        raise e.KilnError("the engine's image config is not a JSON object")
+    return config
 
 
 def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | None = None,
-                timeout: float = 60) -> Pulled:
+                timeout: float = 60, max_bytes: int | None = None,
+                verify_keys: dict[str, bytes] | None = None) -> Pulled:
     """Pull engine ``ref`` (``model@sha256:…``, or a bare digest the server's /v1 API can place) from the Kiln at
-    ``server`` into ``dest``, which must not exist. ``client`` replaces the HTTP client (tests)."""
+    ``server`` into ``dest``, which must not exist. ``max_bytes`` bounds the layers together (default
+    ``KILN_PULL_MAX_BYTES``). With ``verify_keys`` (fingerprint → public PEM) nothing is written unless the engine's
+    files and provenance verify with one of them. ``client`` replaces the HTTP client (tests)."""
     dest = Path(dest)
     if dest.exists() or dest.is_symlink():
         raise e.SpecError(f"{dest} already exists", field="dest", fix="give a path that does not exist yet")
     name, digest = split_ref(ref)
+    if max_bytes is None:
+        from kiln.settings import get_settings
+
+        max_bytes = get_settings().pull_max_bytes
     own = client is None
     if client is None:
         # KILN_TOKEN as for `kiln build --server`; httpx drops it when a blob redirects to another host (presigned)
@@ -154,7 +233,7 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
                               headers=headers, follow_redirects=True)
     try:
         try:
-            return _pull(client, name or _repository_of(client, digest), digest, dest)
+            return _pull(client, name or _repository_of(client, digest), digest, dest, max_bytes, verify_keys)
         except httpx.HTTPError as exc:
             raise e.StorageUnavailable(f"cannot pull from {server}: {exc}",
                                        fix="check --server and that kiln api runs") from None
@@ -163,36 +242,77 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
             client.close()
 
 
-def _pull(client: httpx.Client, name: str, digest: str, dest: Path) -> Pulled:
-    manifest, status = _get_manifest(client, name, digest)
+def get_signatures(client: httpx.Client, name: str, digest: str) -> tuple[list[bytes], list[bytes]]:
+    """(engine-files bundles, provenance envelopes) the server lists as referrers of ``digest``, newest first;
+    every index, manifest and payload read bounded and checked against its digest and subject."""
+    _, body, _ = _get_json(client, f"/v2/{name}/referrers/{digest}", MANIFEST_MAX, f"referrers of {digest}")
+    try:
+        listed = json.loads(body).get("manifests") or []
+    except (ValueError, AttributeError):
+        raise e.KilnError(f"the referrers of {digest} are not an image index") from None
+    out: dict[str, list[bytes]] = {BUNDLE_TYPE: [], IN_TOTO_PAYLOAD_TYPE: []}
+    wanted = [d for d in reversed(listed) if isinstance(d, dict) and d.get("artifactType") in out][:SIGNATURES_MAX]
+    for d in wanted:
+        ref_digest = parse_digest(str(d.get("digest", "")), field="referrer.digest")
+        m, _, _ = get_manifest(client, name, ref_digest)
+        layers = m.get("layers")
+        if (m.get("subject") or {}).get("digest") != digest or not isinstance(layers, list) or len(layers) != 1:
+            continue  # not about this engine, whatever the index says
+        out[d["artifactType"]].append(get_small_blob(client, name, layers[0], SIGNATURE_MAX, "a signature"))
+    return out[BUNDLE_TYPE], out[IN_TOTO_PAYLOAD_TYPE]
+
+
+def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: int,
+          verify_keys: dict[str, bytes] | None = None) -> Pulled:
+    manifest, _, status = get_manifest(client, name, digest)
     layers = manifest.get("layers")
     if not isinstance(layers, list) or not layers:
         raise e.KilnError(f"{digest} has no layers, so it is not an engine image")
     if bad := [d.get("mediaType") if isinstance(d, dict) else d for d in layers
                if not isinstance(d, dict) or d.get("mediaType") != MEDIA_TYPE_IMAGE_LAYER]:
-        raise e.KilnError(f"{digest} has layers this puller does not unpack: {bad}")
-    described = [_descriptor(d) for d in layers]
+        raise e.KilnError(f"{digest} has layers this puller does not unpack: {str(bad)[:200]}")
+    described = [_descriptor(d, max_bytes, "layer") for d in layers]
+    if (total := sum(size for _, size in described)) > max_bytes:
+        raise e.DigestMismatch(f"{digest}'s layers declare {total} bytes, over the {max_bytes} allowed; refusing it",
+                               fix="raise KILN_PULL_MAX_BYTES if this engine really is that large")
     config = _get_config(client, name, manifest)
-    if config.get("rootfs", {}).get("diff_ids") != [d for d, _ in described]:
+    if (config.get("rootfs") or {}).get("diff_ids") != [d for d, _ in described]:
         raise e.DigestMismatch(f"{digest}: config rootfs.diff_ids do not match the layers")
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull-", dir=dest.parent))
     try:
         with tempfile.TemporaryDirectory(prefix=f".{dest.name}.layers-", dir=dest.parent) as downloads:
-            for i, layer in enumerate(layers):
+            for i, (layer_digest, size) in enumerate(described):
                 path = Path(downloads) / f"layer{i}.tar"
                 with open(path, "wb") as out:
-                    _download(client, name, layer, out)
+                    download(client, name, layer_digest, size, out)
                 try:
                     with open(path, "rb") as f:
                         unpack_tar(f, staging)
                 except (tarfile.TarError, ValueError) as exc:
-                    raise UnsafeLayer(f"layer {layer['digest']} is verified but not a safe engine archive: "
+                    raise UnsafeLayer(f"layer {layer_digest} is verified but not a safe engine archive: "
                                       f"{exc}") from None
                 path.unlink()
+        if verify_keys is not None:
+            try:
+                bundles, envelopes = get_signatures(client, name, digest)
+            except e.ArtifactUnknown:  # a registry without referrers: nothing signed, so "unsigned" below
+                bundles, envelopes = [], []
+            verified = verify_engine(digest, manifest, staging, bundles=bundles, envelopes=envelopes, keys=verify_keys)
+            bundle, key = verified.bundle, verified.key
+        else:
+            try:
+                bundles, _ = get_signatures(client, name, digest)
+            except e.KilnError:  # an unverified pull works against registries without referrers
+                bundles = []
+            bundle, key = (bundles[0] if bundles else None), None
+        if bundle is not None:
+            if (staging / SIGNATURE_FILE).exists():
+                raise UnsafeLayer(f"the engine's layer holds a {SIGNATURE_FILE}, where its signature goes")
+            (staging / SIGNATURE_FILE).write_bytes(bundle)
         os.chmod(staging, 0o755)
         os.rename(staging, dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Pulled(name, digest, status, dest, len(layers), sum(size for _, size in described))
+    return Pulled(name, digest, status, dest, len(layers), total, bundle is not None, key)

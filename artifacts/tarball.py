@@ -150,9 +150,13 @@ def unpack_tar(stream: BinaryIO, dest: Path) -> None:
     """Unpack the tar read from ``stream`` into the existing directory ``dest``.
 
     Raises ``ValueError`` for an absolute name, a ``..`` component, a link, a device or FIFO,
+    a sparse member (GNU or PAX: its holes would be written out, so a small verified layer could fill the disk),
     or a file over a directory; ``tarfile.TarError`` for a malformed archive."""
     with tarfile.open(fileobj=stream, mode="r|", bufsize=_BUFSIZE) as tar:
         for member in tar:
+            if member.type == tarfile.GNUTYPE_SPARSE or member.issparse() or any(
+                    k.startswith("GNU.sparse.") for k in member.pax_headers):
+                raise ValueError(f"refusing {member.name!r}: sparse members are not unpacked")
             target = dest.joinpath(*_safe_parts(member.name))
             if member.isdir():
                 target.mkdir(mode=0o755, parents=True, exist_ok=True)

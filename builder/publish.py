@@ -13,6 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.interfaces import BlobStore, Survey
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_engine_image, push_referrer
+from artifacts.signing import Signer, configured_signer
+from builder.attest import sign_engine
 from kiln.models import Artifact, Referrer, Tag, TagEvent, TrackedModel, utcnow
 from kiln.spec import BuildSpec
 from validation.report import REPORT_TYPE, report_document, to_json
@@ -95,7 +97,7 @@ def move_tag(session: Session, repository: str, name: str, digest: str | None, *
 
 def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path, *, spec: BuildSpec,
             build_key: str, provenance: dict, validation: dict, request_key: str | None = None,
-            layer_survey: Survey | None = None) -> Artifact:
+            layer_survey: Survey | None = None, signer: Signer | None = None) -> Artifact:
     passed = bool(validation.get("passed"))
     annotations = annotations_for(spec, build_key, provenance, passed)
     labels = {k: v for k, v in annotations.items() if k.startswith(ANNOTATION_PREFIX)}
@@ -110,6 +112,10 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
     report_digest = push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
                                   artifact_type=REPORT_TYPE, payload=report, payload_media_type=REPORT_TYPE,
                                   annotations=ref_annotations)
+    signed = sign_engine(store, signer or configured_signer(), manifest_digest=image.digest, manifest_size=image.size,
+                         layer_digests=[layer.digest for layer in image.layers], engine_dir=engine_dir,
+                         repository=spec.model_name, provenance=provenance, validation=validation,
+                         annotations=ref_annotations)
     row = Artifact(
         digest=image.digest, build_key=build_key, request_key=request_key, repository=spec.model_name, tag=tag_for(spec),
         status="fresh" if passed else "rejected", precision=spec.precision, target=spec.target,
@@ -127,6 +133,8 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
         session.add(Referrer(digest=report_digest, subject=image.digest, repository=spec.model_name,
                              artifact_type=REPORT_TYPE, size=store.stat(report_digest).size,
                              annotations=ref_annotations))
+        for ref in signed:  # the engine files' signature and the signed provenance (builder/attest.py)
+            session.add(Referrer(subject=image.digest, repository=spec.model_name, **ref))
         if row.status == "fresh":
             move_tag(session, spec.model_name, row.tag, image.digest, reason=f"published {build_key}")
         try:

@@ -75,6 +75,13 @@ class ValidationFailed(KilnError):
     code = "validation_failed"
 
 
+class SignatureInvalid(KilnError):
+    """An engine is not verified: unsigned, signed by a key not trusted, tampered with, or its provenance
+    names other content (subject mismatch). The message says which."""
+
+    code = "not_verified"
+
+
 # -- environment -----------------------------------------------------------------------------------
 class ToolchainMissing(KilnError):
     """A backend needs software this machine does not have (e.g. TensorRT-LLM, a GPU)."""

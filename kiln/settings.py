@@ -32,7 +32,18 @@ class Settings(BaseSettings):
     bootstrap_token: str | None = None
     anonymous_read: bool = False  # allow artifacts:read endpoints (resolve, /v2 pulls) without a token
     max_body_bytes: int = 1 << 20
-    redirect_blobs: bool = False  # /v2 blob GETs answer 307 to a short-lived presigned S3 URL (S3 stores only)
+    # `kiln pull --server`: the most bytes an engine's layers may declare together (a hostile server is refused
+    # before anything is downloaded)
+    pull_max_bytes: int = Field(default=256 << 30, gt=0)
+    redirect_blobs: bool = False
+    # Signing: an ECDSA P-256 private key as PEM text or a PEM file's path; default: generated under home/keys.
+    signing_key: str | None = None
+    # Keys that verify besides the signing key (rotation): PEM text, or PEM files separated by os.pathsep.
+    trusted_keys: str | None = None
+    # Admission webhook: the registry host names (host[:port], comma separated) whose image references it checks;
+    # default: the Host the webhook request was addressed to. Tag references are denied unless allowed here.
+    registry_hosts: str | None = None
+    admission_allow_tags: bool = False  # /v2 blob GETs answer 307 to a short-lived presigned S3 URL (S3 stores only)
 
     @property
     def auth_required(self) -> bool:

@@ -36,6 +36,7 @@ class Resolution:
     status: int  # 200, 404 (nothing servable), 409 (something exists but must not be served)
     code: str
     reason: str
+    signature: dict | None = None  # {signed, trusted, key, keys} of the answer (api/routes/models.py fills it)
 
 
 def parse_runtime(runtime: str | None) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Body, Query
+from fastapi import APIRouter, Body, Query, Request
 from sqlalchemy import select
 
 from api.deps import SessionDep
@@ -36,12 +36,16 @@ def list_artifacts(session: SessionDep, model: str | None = Query(None, max_leng
 
 
 @router.get("/{digest}")
-def get_artifact(digest: str, session: SessionDep):
-    """One engine: state, provenance and validation report."""
+def get_artifact(digest: str, session: SessionDep, request: Request):
+    """One engine: state, provenance, validation report, and whether and by which key it is signed."""
     row = session.get(Artifact, parse_digest(digest))
     if row is None:
         raise ArtifactUnknown(f"no engine {digest}", field="digest", fix="list engines with GET /v1/artifacts")
-    return artifact_read(row)
+    from api.routes.keys import trusted_fingerprints
+    from workers.admission import signature_summary
+
+    return {**artifact_read(row),
+            "signature": signature_summary(session, row.digest, trusted_fingerprints(request.app))}
 
 
 @router.post("/{digest}/revoke")

@@ -101,7 +101,7 @@ async def resolve(request: Request, model: str = Query(..., max_length=255), pre
     """Exactly one servable engine for (model, precision, profile, target, backend[, runtime]), or why not."""
     # The hottest read of the service: one hop to a thread for the whole lookup (a session dependency would
     # cost two more), on an autocommit connection (one statement, no BEGIN/ROLLBACK round trips).
-    r = await run_in_threadpool(_resolve, request.app.state.read_engine, model=model, precision=precision,
+    r = await run_in_threadpool(_resolve, request.app, model=model, precision=precision,
                                 profile=profile, target=target, backend=backend, runtime=runtime)
     if r.artifact is None:
         return JSONResponse({"error": {"code": r.code, "message": r.reason, "field": "model",
@@ -109,9 +109,16 @@ async def resolve(request: Request, model: str = Query(..., max_length=255), pre
                             status_code=r.status)
     a = r.artifact
     return JSONResponse({"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status,
-                         "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance})
+                         "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance,
+                         "signature": r.signature})
 
 
-def _resolve(read_engine, **query) -> Resolution:
-    with read_engine.connect() as conn:
-        return resolve_engine(conn, **query)
+def _resolve(app, **query) -> Resolution:
+    from api.routes.keys import trusted_fingerprints
+    from workers.admission import signature_summary
+
+    with app.state.read_engine.connect() as conn:
+        r = resolve_engine(conn, **query)
+        if r.artifact is not None:  # whether and by which key the answer is signed (an indexed read)
+            r.signature = signature_summary(conn, r.artifact.digest, trusted_fingerprints(app))
+        return r

@@ -127,6 +127,23 @@ def test_checkpoint_outside_roots_and_missing_dir_exit_2(tmp_path):
     assert not home.exists()
 
 
+def test_the_quick_start_engine_is_signed_and_verifies_offline(home, fp8, tmp_path):
+    """The embedded defaults sign with a key generated under KILN_HOME; the pulled engine verifies with the real
+    model_signing CLI and the public key alone."""
+    key = home / "keys" / "signing-key.pem"
+    assert key.is_file() and (key.stat().st_mode & 0o777) == 0o600
+    pub = tmp_path / "kiln.pub"
+    pub.write_text(kiln("keys", "public", home=home, check=True).stdout)
+    dest = tmp_path / "engine"
+    pulled = kiln("pull", f"tiny-llama@{fp8['digest']}", str(dest), "--verify-key", str(pub), home=home, check=True)
+    assert "verified, signed by sha256:" in pulled.stdout and (dest / "model.sig").is_file()
+    ok = subprocess.run([sys.executable, "-m", "model_signing", "verify", "key", "--signature", str(dest / "model.sig"),
+                         "--public_key", str(pub), str(dest)], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "Verification succeeded" in ok.stdout, ok.stderr
+    verified = kiln("verify", fp8["digest"], home=home)
+    assert verified.returncode == 0 and "verified tiny-llama@" in verified.stdout, verified.stderr
+
+
 def test_pull_verifies_digests_and_refuses_a_corrupted_blob(home, fp8, tmp_path):
     dest = tmp_path / "engine"
     kiln("pull", f"tiny-llama@{fp8['digest']}", str(dest), home=home, check=True)

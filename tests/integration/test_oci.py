@@ -60,7 +60,8 @@ def reg(tmp_path_factory):
     s.rejected = json.loads(bad.stdout.strip().splitlines()[-1])["digest"]
     local = s.kiln("pull", f"{REPO}@{s.digest}", str(s.home.parent / "local-pull"))
     assert local.returncode == 0, local.stderr
-    s.engine_tree = tree(s.home.parent / "local-pull")
+    s.signed_tree = tree(s.home.parent / "local-pull")  # the engine files and their signature, model.sig
+    s.engine_tree = {k: v for k, v in s.signed_tree.items() if k != "model.sig"}  # what the layer holds
     try:
         s.start_api()
         s.host = s.url.removeprefix("http://")
@@ -232,7 +233,7 @@ def test_kiln_pull_from_a_server(reg, tmp_path):
     dest = tmp_path / "pulled"
     r = reg.kiln("pull", f"{REPO}@{reg.digest}", str(dest), "--server", reg.url)
     assert r.returncode == 0, r.stderr
-    assert tree(dest) == reg.engine_tree and "warning" not in r.stderr
+    assert tree(dest) == reg.signed_tree and "warning" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pulled"]
     again = reg.kiln("pull", f"{REPO}@{reg.digest}", str(dest), "--server", reg.url)
     assert again.returncode == 2 and "dest" in again.stderr
@@ -248,7 +249,7 @@ def test_kiln_pull_warns_on_a_revoked_engine(reg, tmp_path):
         r = reg.kiln("pull", f"{REPO}@{reg.digest}", str(tmp_path / "e"), "--server", reg.url)
         assert r.returncode == 0, r.stderr
         assert "warning" in r.stderr and "revoked" in r.stderr and "revoked" in r.stdout
-        assert tree(tmp_path / "e") == reg.engine_tree
+        assert tree(tmp_path / "e") == reg.signed_tree
     finally:
         db.execute("UPDATE artifacts SET status = 'fresh' WHERE digest = ?", (reg.digest,))
         db.commit()

@@ -14,6 +14,7 @@ from xml.etree import ElementTree as ET
 import pytest
 
 from artifacts.factory import open_store
+from artifacts.signing import configured_signer
 from builder.publish import publish
 from kiln import db
 from kiln.settings import Settings
@@ -47,7 +48,8 @@ def home(tmp_path_factory) -> tuple[Path, str]:
     row = publish(store, sessions, engine, spec=spec, build_key=sha(b"k"),
                   provenance={"created": "2026-12-01T00:00:00Z", "toolchain": {"torch": "2.13"},
                               "checkpoint": {"ref": spec.checkpoint, "digest": sha(b"c"), "revision": "a" * 40}},
-                  validation={"passed": True, "gates": gates, "metrics": {}})
+                  validation={"passed": True, "gates": gates, "metrics": {}},
+                  signer=configured_signer(settings))  # this home's key, as `kiln keys public` reads it
     return home, row.digest
 
 
@@ -78,5 +80,11 @@ def test_report_to_a_file_and_pull_json(home, tmp_path):
     proc = kiln(path, "pull", digest, str(dest), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"digest": digest, "repository": "acme/tiny", "status": "fresh",
-                                       "dest": str(dest), "server": None}
+                                       "dest": str(dest), "server": None, "signed": True, "verified_key": None}
     assert (dest / "serving" / "vllm.yaml").read_text() == "max-num-seqs: 8\n"
+    # the serving configs are engine files like the others: the signature covers them, offline
+    (tmp_path / "kiln.pub").write_text(kiln(path, "keys", "public").stdout)
+    ok = subprocess.run([sys.executable, "-m", "model_signing", "verify", "key", "--signature", str(dest / "model.sig"),
+                         "--public_key", str(tmp_path / "kiln.pub"), str(dest)], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0, ok.stderr

@@ -345,9 +345,10 @@ def test_referrers_index_and_artifact_type_filter(reg, engine):
     assert "OCI-Filters-Applied" not in r.headers
     index = r.json()
     assert index["schemaVersion"] == 2 and index["mediaType"] == MEDIA_TYPE_IMAGE_INDEX
-    # provenance and the validation report both refer to the engine
-    assert {m["artifactType"] for m in index["manifests"]} == {PROVENANCE_TYPE,
-                                                                "application/vnd.kiln.validation-report.v1+json"}
+    # provenance, the validation report and the two signatures (files, signed provenance) refer to the engine
+    assert {m["artifactType"] for m in index["manifests"]} == {
+        PROVENANCE_TYPE, "application/vnd.kiln.validation-report.v1+json",
+        "application/vnd.dev.sigstore.bundle.v0.3+json", "application/vnd.in-toto+json"}
     prov = [m for m in index["manifests"] if m["artifactType"] == PROVENANCE_TYPE]
     assert prov == [{"mediaType": MEDIA_TYPE_IMAGE_MANIFEST, "digest": ref.digest, "size": ref.size,
                      "artifactType": PROVENANCE_TYPE, "annotations": {"dev.kiln.build-key": engine.build_key}}]
@@ -386,7 +387,9 @@ def test_pull_remote_verifies_and_unpacks(reg, engine, tmp_path):
     dest = tmp_path / "out" / "engine"
     got = pull_remote("http://testserver", f"{REPO}@{engine.digest}", dest, client=reg.client)
     assert got.digest == engine.digest and got.status == "fresh" and got.layers == 1
-    assert tree(dest) == tree(tmp_path / "engine-1")
+    pulled = tree(dest)
+    assert pulled.pop("model.sig") and got.signed  # the engine files' signature, beside them
+    assert pulled == tree(tmp_path / "engine-1")
     assert sorted(p.name for p in dest.parent.iterdir()) == ["engine"]  # no staging left
     # a bare digest is placed through /v1/artifacts
     assert pull_remote("http://testserver", engine.digest, tmp_path / "bare", client=reg.client).repository == REPO

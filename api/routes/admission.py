@@ -1,0 +1,41 @@
+"""/v1/admission/validate: a Kubernetes validating admission webhook (admission.k8s.io/v1) that refuses pods
+running engines Kiln would not serve — the decision is workers/admission.py's; see docs/admission.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Body, Request
+from starlette.concurrency import run_in_threadpool
+
+from api.routes.keys import trusted_fingerprints
+from kiln.errors import SpecError
+from workers.admission import engine_facts, review
+
+router = APIRouter(tags=["admission"])
+
+
+def registry_hosts(request: Request) -> set[str]:
+    """KILN_REGISTRY_HOSTS (host[:port], comma separated), else the Host this request was addressed to."""
+    configured = request.app.state.settings.registry_hosts
+    if configured:
+        return {h.strip().lower() for h in configured.split(",") if h.strip()}
+    return {request.headers.get("host", "").lower()} - {""}
+
+
+@router.post("/v1/admission/validate")
+async def validate(request: Request, body: Any = Body(None)):
+    """Admit or deny a Pod or workload by the engine images it names (AdmissionReview in, AdmissionReview out)."""
+    hosts, trusted = registry_hosts(request), trusted_fingerprints(request.app)
+    allow_tags = request.app.state.settings.admission_allow_tags
+
+    def decide() -> dict:
+        with request.app.state.read_sessions() as session:
+            return review(body, hosts=hosts, allow_tags=allow_tags, trusted=trusted,
+                          lookup=lambda ref: engine_facts(session, ref))
+
+    try:
+        return await run_in_threadpool(decide)
+    except ValueError as exc:
+        raise SpecError(str(exc), field="request",
+                        fix="send an admission.k8s.io/v1 AdmissionReview (the Kubernetes API server does)") from None

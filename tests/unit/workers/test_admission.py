@@ -1,0 +1,305 @@
+"""The admission decision (workers/admission.py), one test per verdict, with AdmissionReview payloads shaped as
+the Kubernetes API server sends them; then the webhook end to end (api/routes/admission.py) over published,
+signed engines in a real database."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from workers.admission import EngineFacts, asked_sms, parse_reference, review, sm_of_product
+
+HOST = "kiln.internal:8000"
+D_FRESH, D_STALE, D_REVOKED, D_REJECTED, D_UNSIGNED, D_OTHER_KEY, D_SM100 = (
+    "sha256:" + c * 64 for c in "1234567")
+D_UNKNOWN = "sha256:" + "9" * 64
+KEY, UNTRUSTED = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+UID = "705ab4f5-6393-11e8-b7cc-42010a800002"
+
+FACTS = {
+    D_FRESH: EngineFacts(D_FRESH, "fresh", None, "sm90", "r1", "r1", frozenset({KEY})),
+    D_STALE: EngineFacts(D_STALE, "stale", "head moved to r2", "sm90", "r1", "r2", frozenset({KEY})),
+    D_REVOKED: EngineFacts(D_REVOKED, "revoked", "CVE-2026-1 in the tokenizer", "sm90", "r1", "r1", frozenset({KEY})),
+    D_REJECTED: EngineFacts(D_REJECTED, "rejected", "perplexity gate", "sm90", "r1", "r1", frozenset({KEY})),
+    D_UNSIGNED: EngineFacts(D_UNSIGNED, "fresh", None, "sm90", "r1", "r1", frozenset()),
+    D_OTHER_KEY: EngineFacts(D_OTHER_KEY, "fresh", None, "sm90", "r1", "r1", frozenset({UNTRUSTED})),
+    D_SM100: EngineFacts(D_SM100, "fresh", None, "sm100", "r1", "r1", frozenset({KEY})),
+}
+TAGS = {("acme/tiny", "fp8-sm90-latency"): D_FRESH}
+
+
+def lookup(ref):
+    digest = ref.digest or TAGS.get((ref.repository, ref.tag))
+    return FACTS.get(digest)
+
+
+def decide(body, *, allow_tags=False):
+    return review(body, hosts={HOST}, allow_tags=allow_tags, trusted={KEY}, lookup=lookup)["response"]
+
+
+def pod_create(*, image=f"{HOST}/acme/tiny@{D_FRESH}", volume=None, annotations=None, node_selector=None,
+               init_image=None):
+    """An AdmissionReview for a Pod CREATE, as kube-apiserver sends it (v1, with userInfo, dryRun, options)."""
+    spec = {"containers": [{"name": "server", "image": "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3",
+                            "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+            "nodeSelector": node_selector or {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            "volumes": [], "restartPolicy": "Always", "dnsPolicy": "ClusterFirst"}
+    if image:
+        spec["containers"].append({"name": "engine", "image": image, "imagePullPolicy": "IfNotPresent"})
+    if init_image:
+        spec["initContainers"] = [{"name": "pull", "image": init_image}]
+    if volume:
+        spec["volumes"].append({"name": "engine", "image": {"reference": volume, "pullPolicy": "IfNotPresent"}})
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "tiny-0", "namespace": "serving", "annotations": annotations or {},
+                        "creationTimestamp": None},
+           "spec": spec, "status": {}}
+    return {"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
+            "request": {"uid": UID, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                        "resource": {"group": "", "version": "v1", "resource": "pods"},
+                        "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+                        "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+                        "name": "tiny-0", "namespace": "serving", "operation": "CREATE",
+                        "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller",
+                                     "uid": "c0ffee", "groups": ["system:serviceaccounts", "system:authenticated"]},
+                        "object": pod, "oldObject": None, "dryRun": False,
+                        "options": {"kind": "CreateOptions", "apiVersion": "meta.k8s.io/v1"}}}
+
+
+def deployment_update(pod_review: dict) -> dict:
+    """The same pod, as the template of a Deployment being updated."""
+    pod = pod_review["request"]["object"]
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment",
+           "metadata": {"name": "tiny", "namespace": "serving", "generation": 3},
+           "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "tiny"}},
+                    "template": {"metadata": {"labels": {"app": "tiny"}, **{
+                        k: v for k, v in pod["metadata"].items() if k == "annotations"}}, "spec": pod["spec"]}}}
+    old = copy.deepcopy(dep)
+    old["spec"]["template"]["spec"]["containers"] = old["spec"]["template"]["spec"]["containers"][:1]
+    body = copy.deepcopy(pod_review)
+    body["request"].update({"kind": {"group": "apps", "version": "v1", "kind": "Deployment"},
+                            "resource": {"group": "apps", "version": "v1", "resource": "deployments"},
+                            "requestKind": {"group": "apps", "version": "v1", "kind": "Deployment"},
+                            "requestResource": {"group": "apps", "version": "v1", "resource": "deployments"},
+                            "operation": "UPDATE", "object": dep, "oldObject": old,
+                            "options": {"kind": "UpdateOptions", "apiVersion": "meta.k8s.io/v1"}})
+    return body
+
+
+def test_a_fresh_signed_engine_by_digest_is_allowed_and_the_uid_echoed():
+    out = review(pod_create(), hosts={HOST}, allow_tags=False, trusted={KEY}, lookup=lookup)
+    assert out["apiVersion"] == "admission.k8s.io/v1" and out["kind"] == "AdmissionReview"
+    assert out["response"] == {"uid": UID, "allowed": True}
+
+
+def test_by_tag_is_denied_unless_configured():
+    body = pod_create(image=f"{HOST}/acme/tiny:fp8-sm90-latency")
+    r = decide(body)
+    assert r["uid"] == UID and r["allowed"] is False and r["status"]["code"] == 403
+    assert "by tag" in r["status"]["message"] and "containers[1] (engine)" in r["status"]["message"]
+    assert decide(body, allow_tags=True)["allowed"] is True  # the tag resolves to a fresh, signed engine
+    assert decide(pod_create(image=f"{HOST}/acme/tiny:nope"), allow_tags=True)["allowed"] is False
+
+
+@pytest.mark.parametrize("digest,words", [(D_UNKNOWN, "no engine with this digest"),
+                                          (D_REVOKED, "revoked: CVE-2026-1"),
+                                          (D_REJECTED, "rejected")])
+def test_unknown_revoked_and_rejected_are_denied_with_the_reason(digest, words):
+    r = decide(pod_create(image=f"{HOST}/acme/tiny@{digest}"))
+    assert r["allowed"] is False and words in r["status"]["message"]
+
+
+def test_stale_is_denied_unless_annotated_and_the_reason_comes_back_as_a_warning():
+    r = decide(pod_create(image=f"{HOST}/acme/tiny@{D_STALE}"))
+    assert r["allowed"] is False and "stale" in r["status"]["message"] and "kiln.dev/allow-stale" in r["status"]["message"]
+    r = decide(pod_create(image=f"{HOST}/acme/tiny@{D_STALE}",
+                          annotations={"kiln.dev/allow-stale": "rollback during incident 4711"}))
+    assert r["allowed"] is True
+    assert len(r["warnings"]) == 1 and "rollback during incident 4711" in r["warnings"][0]
+
+
+def test_gpu_architecture_mismatch_is_denied():
+    r = decide(pod_create(image=f"{HOST}/acme/tiny@{D_SM100}"))  # an sm100 engine on an H100 node
+    assert r["allowed"] is False and "built for sm100" in r["status"]["message"] and "sm90" in r["status"]["message"]
+    assert decide(pod_create(image=f"{HOST}/acme/tiny@{D_SM100}", node_selector={"kiln.dev/sm": "sm100"}))["allowed"]
+    assert decide(pod_create(image=f"{HOST}/acme/tiny@{D_SM100}",
+                             node_selector={"nvidia.com/gpu.product": "NVIDIA-B200"}))["allowed"]
+    assert not decide(pod_create(node_selector={"kiln.dev/sm": "sm100"}))["allowed"]  # sm90 engine, sm100 pod
+
+
+def test_unsigned_and_untrusted_are_denied():
+    r = decide(pod_create(image=f"{HOST}/acme/tiny@{D_UNSIGNED}"))
+    assert r["allowed"] is False and "unsigned" in r["status"]["message"]
+    r = decide(pod_create(image=f"{HOST}/acme/tiny@{D_OTHER_KEY}"))
+    assert r["allowed"] is False and "not a trusted key" in r["status"]["message"] and UNTRUSTED in r["status"]["message"]
+
+
+def test_other_registries_are_untouched():
+    body = pod_create(image=f"docker.io/library/busybox@{D_UNKNOWN}", init_image="busybox:latest",
+                      volume=f"ghcr.io/acme/tiny:latest")
+    assert decide(body) == {"uid": UID, "allowed": True}
+
+
+def test_image_volume_init_and_ephemeral_containers_are_checked():
+    r = decide(pod_create(image=None, volume=f"{HOST}/acme/tiny@{D_REVOKED}"))
+    assert r["allowed"] is False and "volumes[0] (engine)" in r["status"]["message"]
+    assert decide(pod_create(image=None, volume=f"{HOST}/acme/tiny@{D_FRESH}"))["allowed"] is True
+    r = decide(pod_create(init_image=f"{HOST}/acme/tiny@{D_UNSIGNED}"))
+    assert r["allowed"] is False and "initContainers[0] (pull)" in r["status"]["message"]
+    body = pod_create()
+    body["request"].update({"subResource": "ephemeralcontainers", "operation": "UPDATE"})
+    body["request"]["object"]["spec"]["ephemeralContainers"] = [{"name": "debug", "image": f"{HOST}/acme/tiny:x"}]
+    r = decide(body)
+    assert r["allowed"] is False and "ephemeralContainers[0] (debug)" in r["status"]["message"]
+
+
+def test_deployment_update_checks_its_pod_template_and_workloads_of_every_kind():
+    r = decide(deployment_update(pod_create(image=f"{HOST}/acme/tiny@{D_STALE}")))
+    assert r["uid"] == UID and r["allowed"] is False and "stale" in r["status"]["message"]
+    ok = decide(deployment_update(pod_create(image=f"{HOST}/acme/tiny@{D_STALE}",
+                                             annotations={"kiln.dev/allow-stale": "pinned"})))
+    assert ok["allowed"] is True and "pinned" in ok["warnings"][0]
+    spec = pod_create(image=f"{HOST}/acme/tiny@{D_REVOKED}")["request"]["object"]["spec"]
+    template = {"metadata": {}, "spec": spec}
+    for kind, obj in (("StatefulSet", {"spec": {"template": template}}), ("DaemonSet", {"spec": {"template": template}}),
+                      ("Job", {"spec": {"template": template}}),
+                      ("CronJob", {"spec": {"schedule": "0 * * * *", "jobTemplate": {"spec": {"template": template}}}})):
+        body = pod_create()
+        body["request"].update({"kind": {"group": "apps", "version": "v1", "kind": kind}, "object": obj})
+        assert decide(body)["allowed"] is False, kind
+    body = pod_create(image=f"{HOST}/acme/tiny@{D_REVOKED}")
+    body["request"].update({"operation": "DELETE", "object": None})
+    assert decide(body)["allowed"] is True  # a deletion runs nothing
+
+
+def test_not_an_admission_review_is_a_value_error():
+    for bad in ({}, {"kind": "AdmissionReview"}, {"kind": "AdmissionReview", "request": {"kind": {"kind": "Pod"}}}):
+        with pytest.raises(ValueError):
+            review(bad, hosts={HOST}, allow_tags=False, trusted={KEY}, lookup=lookup)
+
+
+def test_odd_shapes_never_crash():
+    body = pod_create()
+    for path, value in ((("kind",), "Pod"), (("object", "spec", "containers"), "x"), (("object", "spec", "volumes"), [1]),
+                        (("object", "spec", "nodeSelector"), ["a"]), (("object", "metadata", "annotations"), [1]),
+                        (("object", "spec", "affinity"), {"nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [None, 3]}}}),
+                        (("object",), "pod"), (("operation",), ["CREATE"])):
+        b = copy.deepcopy(body)
+        target = b["request"]
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        assert decide(b)["uid"] == UID
+
+
+def test_reference_parsing_and_gpu_products():
+    assert parse_reference(f"{HOST}/acme/tiny@{D_FRESH}") == (HOST, "acme/tiny", None, D_FRESH)
+    assert parse_reference("KILN.internal:8000/acme/tiny:fp8@" + D_FRESH) == (HOST, "acme/tiny", "fp8", D_FRESH)
+    assert parse_reference("busybox:1.36") == (None, "busybox", "1.36", None)
+    assert parse_reference("localhost/acme/tiny") == ("localhost", "acme/tiny", None, None)
+    assert sm_of_product("NVIDIA-H100-80GB-HBM3") == "sm90" and sm_of_product("NVIDIA-GeForce-RTX-4090") == "sm89"
+    assert sm_of_product("NVIDIA-A100-SXM4-40GB") == "sm80" and sm_of_product("Tesla-T4") == "sm75"
+    assert sm_of_product("NVIDIA-RTX-6000-Ada-Generation") == "sm89" and sm_of_product("Mystery-GPU") is None
+    affinity = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H200"]}]}]}}}}
+    assert asked_sms(affinity) == ({"sm90"}, [])
+    r = decide(pod_create(node_selector={"nvidia.com/gpu.product": "Mystery-GPU"}))
+    assert r["allowed"] is True and "Mystery-GPU" in r["warnings"][0]
+
+
+# -- the webhook, end to end --------------------------------------------------------------------------------------
+def test_webhook_over_published_engines(tmp_path, monkeypatch):
+    from api.app import create_app
+    from builder.publish import publish
+    from kiln import db
+    from kiln.digests import sha256_bytes
+    from kiln.models import Artifact, Referrer, TrackedModel
+    from kiln.settings import Settings
+    from kiln.spec import parse_spec
+
+    settings = Settings()
+    db.upgrade(settings.db_url)
+    app = create_app(settings, enqueue=lambda *a, **k: None)
+    client = TestClient(app, base_url=f"http://{HOST}")
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "model_name": "acme/tiny", "precision": "fp8",
+                       "profile": "latency", "backend": "checkpoint", "target": "sm90"}, [])
+
+    def engine(seed: str) -> Artifact:
+        root = tmp_path / seed
+        root.mkdir()
+        (root / "config.json").write_text(json.dumps({"seed": seed}))
+        prov = {"created": "2026-01-01T00:00:00Z", "toolchain": {},
+                "checkpoint": {"ref": spec.checkpoint, "digest": sha256_bytes(b"c"), "revision": "a" * 40}}
+        return publish(app.state.store, app.state.sessions, root, spec=spec, build_key=sha256_bytes(seed.encode()),
+                       provenance=prov, validation={"passed": True})
+
+    good, stale = engine("good"), engine("stale")
+    with app.state.sessions() as s:
+        s.add(TrackedModel(name="acme/tiny", checkpoint="hf://acme/tiny@main", head_sha="a" * 40))
+        s.get(Artifact, stale.digest).checkpoint_revision = "b" * 40  # built from a head the branch has left
+        s.commit()
+
+    def post(body):
+        r = client.post("/v1/admission/validate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["response"]
+
+    assert post(pod_create(image=f"{HOST}/acme/tiny@{good.digest}")) == {"uid": UID, "allowed": True}
+    r = post(deployment_update(pod_create(image=f"{HOST}/acme/tiny@{stale.digest}")))
+    assert r["allowed"] is False and f"built from {'b' * 40}" in r["status"]["message"]
+    r = post(pod_create(image=None, volume=f"{HOST}/acme/tiny:{good.tag}"))
+    assert r["allowed"] is False and "by tag" in r["status"]["message"]
+    # the default registry host is the one the webhook was addressed to: another host's references pass
+    assert post(pod_create(image=f"other.registry:5000/acme/tiny@{stale.digest}"))["allowed"] is True
+    # signature facts come from the index: without the referrers the engine is unsigned
+    with app.state.sessions() as s:
+        for ref in s.query(Referrer).filter(Referrer.subject == good.digest,
+                                            Referrer.annotations.isnot(None)).all():
+            if ref.artifact_type in ("application/vnd.dev.sigstore.bundle.v0.3+json", "application/vnd.in-toto+json"):
+                s.delete(ref)
+        s.commit()
+    r = post(pod_create(image=f"{HOST}/acme/tiny@{good.digest}"))
+    assert r["allowed"] is False and "unsigned" in r["status"]["message"]
+    bad = client.post("/v1/admission/validate", json={"kind": "Pod"})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "request"
+    # KILN_REGISTRY_HOSTS names the hosts pods pull from
+    monkeypatch.setenv("KILN_REGISTRY_HOSTS", "registry.example:443, other.registry:5000")
+    app2 = create_app(Settings(), enqueue=lambda *a, **k: None)
+    r = TestClient(app2, base_url=f"http://{HOST}").post(
+        "/v1/admission/validate", json=pod_create(image=f"other.registry:5000/acme/tiny@{stale.digest}")).json()
+    assert r["response"]["allowed"] is False
+
+
+def test_keys_artifacts_and_resolve_say_who_signed(tmp_path):
+    from api.app import create_app
+    from artifacts.signing import configured_signer
+    from builder.publish import publish
+    from kiln import db
+    from kiln.digests import sha256_bytes
+    from kiln.settings import Settings
+    from kiln.spec import parse_spec
+
+    settings = Settings()
+    db.upgrade(settings.db_url)
+    app = create_app(settings, enqueue=lambda *a, **k: None)
+    client = TestClient(app)
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "model_name": "acme/tiny", "precision": "fp8",
+                       "profile": "latency", "backend": "checkpoint"}, [])
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "config.json").write_text("{}")
+    art = publish(app.state.store, app.state.sessions, tmp_path / "e", spec=spec, build_key=sha256_bytes(b"k"),
+                  provenance={"created": "2026-01-01T00:00:00Z", "toolchain": {},
+                              "checkpoint": {"ref": spec.checkpoint, "digest": sha256_bytes(b"c"), "revision": None}},
+                  validation={"passed": True})
+    fp = configured_signer().fingerprint
+    keys = client.get("/v1/keys").json()["keys"]
+    assert keys == [{"fingerprint": fp, "public_key": configured_signer().public_pem.decode(), "signing": True}]
+    sig = client.get(f"/v1/artifacts/{art.digest}").json()["signature"]
+    assert sig == {"signed": True, "trusted": True, "key": fp, "keys": [fp]}
+    r = client.get("/v1/resolve", params={"model": "acme/tiny", "precision": "fp8", "profile": "latency",
+                                          "target": "cpu", "backend": "checkpoint"})
+    assert r.status_code == 200 and r.json()["signature"] == sig

@@ -1,0 +1,273 @@
+"""The admission decision: may this Pod (or workload's pod template) run the engine images it names?
+
+Kubernetes sends an ``admission.k8s.io/v1`` AdmissionReview; :func:`review` answers one, echoing the request's
+``uid``. Every image reference that names this registry — containers, init containers, ephemeral containers and
+image volumes (``spec.volumes[].image.reference``) — is checked; references to other registries pass untouched.
+Verdicts, per reference:
+
+- by tag → denied (a tag can move under a running deployment), unless tags are allowed (then resolved once);
+- unknown, rejected or revoked digest → denied, with the reason;
+- stale (built from a checkpoint head the tracked branch has left) → denied, unless the pod carries
+  ``kiln.dev/allow-stale: <reason>``, which is returned as a warning;
+- built for another GPU architecture than the pod's node selection (``kiln.dev/sm`` or
+  ``nvidia.com/gpu.product``, in ``nodeSelector`` or required node affinity) → denied;
+- unsigned, or signed by a key that is not trusted → denied.
+
+The decision is a pure function of the review and the facts :func:`engine_facts` reads: one indexed statement per
+reference (the engine row, its tracked model's head, its signature referrers' key annotations). Crypto is not
+redone here: the index names the key that signed at publish, and `kiln pull --verify-key` checks the bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import and_, bindparam, select
+from sqlalchemy.orm import Session
+
+from builder.attest import SIGNATURE_KEY_ANNOTATION, SIGNED_TYPES
+from kiln.models import Artifact, Referrer, Tag, TrackedModel
+from kiln.spec import GPU_NAMES, OLD_GPUS
+
+ALLOW_STALE = "kiln.dev/allow-stale"
+SM_LABEL = "kiln.dev/sm"
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+WORKLOADS = {"Pod": (), "Deployment": ("spec", "template"), "StatefulSet": ("spec", "template"),
+             "DaemonSet": ("spec", "template"), "ReplicaSet": ("spec", "template"), "Job": ("spec", "template"),
+             "CronJob": ("spec", "jobTemplate", "spec", "template")}
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What admission needs to know about one engine digest."""
+
+    digest: str
+    status: str  # fresh | stale | revoked | rejected
+    reason: str | None
+    target: str
+    revision: str | None
+    head: str | None  # the tracked model's current head, None when untracked
+    signed_by: frozenset[str] = field(default_factory=frozenset)  # keys that signed both files and provenance
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    where: str  # e.g. "containers[0] (server)", "volumes[1] (engine)"
+    reference: str
+    host: str | None
+    repository: str
+    tag: str | None
+    digest: str | None
+
+
+def parse_reference(ref: str) -> tuple[str | None, str, str | None, str | None]:
+    """``[host[:port]/]repo[:tag][@sha256:…]`` → (host, repository, tag, digest), as container runtimes split
+    it (the first component is a host when it has a dot or a colon, or is ``localhost``)."""
+    name, _, digest = ref.partition("@")
+    host, slash, rest = name.partition("/")
+    if not slash or not ("." in host or ":" in host or host == "localhost"):
+        host, rest = None, name
+    repo, colon, tag = rest.rpartition(":")
+    if not colon or "/" in tag:
+        repo, tag = rest, ""
+    return (host.lower() if host else None), repo, (tag or None), (digest or None)
+
+
+def _dig(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def pod_template(review_request: dict) -> tuple[dict, dict] | None:
+    """(pod metadata, pod spec) of the request's object, or None for a kind that holds no pod."""
+    kind = _dig(review_request, ("kind", "kind"))
+    if not isinstance(kind, str) or kind not in WORKLOADS or not isinstance(review_request.get("object"), dict):
+        return None
+    template = _dig(review_request["object"], WORKLOADS[kind]) if WORKLOADS[kind] else review_request["object"]
+    if not isinstance(template, dict):
+        return None
+    return _dict(template.get("metadata")), _dict(template.get("spec"))
+
+
+def image_refs(spec: dict) -> Iterator[tuple[str, str]]:
+    """(where, reference) for every image a pod spec names."""
+    for group in ("initContainers", "containers", "ephemeralContainers"):
+        for i, c in enumerate(_list(spec.get(group))):
+            if isinstance(c, dict) and isinstance(c.get("image"), str):
+                yield f"{group}[{i}] ({c.get('name', '?')})", c["image"]
+    for i, v in enumerate(_list(spec.get("volumes"))):
+        ref = _dig(v, ("image", "reference"))
+        if isinstance(ref, str):
+            yield f"volumes[{i}] ({_dict(v).get('name', '?')})", ref
+
+
+def sm_of_product(product: str) -> str | None:
+    """``NVIDIA-H100-80GB-HBM3`` → ``sm90`` (GPU feature discovery's product label), None if unknown."""
+    tokens = [t for t in re.split(r"[-_ ]+", product.lower()) if t and t not in ("nvidia", "tesla", "geforce")]
+    for n in range(len(tokens), 0, -1):
+        name = "".join(tokens[:n])
+        if name in GPU_NAMES:
+            return GPU_NAMES[name]
+        if name in OLD_GPUS:
+            return f"sm{OLD_GPUS[name]}"
+    return None
+
+
+def asked_sms(spec: dict) -> tuple[set[str], list[str]]:
+    """The GPU architectures the pod's node selection allows (empty: no GPU constraint) and notes for labels
+    that name GPUs this mapping does not know."""
+    values: dict[str, list[str]] = {SM_LABEL: [], PRODUCT_LABEL: []}
+    for k, v in _dict(spec.get("nodeSelector")).items():
+        if k in values and isinstance(v, str):
+            values[k].append(v)
+    terms = _dig(spec, ("affinity", "nodeAffinity", "requiredDuringSchedulingIgnoredDuringExecution",
+                        "nodeSelectorTerms"))
+    for term in _list(terms):
+        for expr in _list(_dict(term).get("matchExpressions")):
+            if isinstance(expr, dict) and expr.get("key") in values and expr.get("operator") == "In":
+                values[expr["key"]] += [v for v in _list(expr.get("values")) if isinstance(v, str)]
+    sms, notes = {v.strip().lower() for v in values[SM_LABEL]}, []
+    for product in values[PRODUCT_LABEL]:
+        if (sm := sm_of_product(product)) is None:
+            notes.append(f"{PRODUCT_LABEL}={product} is a GPU kiln does not know; its architecture is not checked")
+        else:
+            sms.add(sm)
+    return sms, notes
+
+
+def verdict(ref: ImageRef, facts: EngineFacts | None, *, sms: set[str], allow_stale: str | None,
+            trusted: set[str]) -> tuple[str | None, str | None]:
+    """(denial, warning) for one reference of this registry."""
+    what = f"{ref.where}: {ref.reference}"
+    if facts is None:
+        return f"{what}: no engine with this digest in the registry", None
+    if facts.status == "rejected":
+        return f"{what}: the engine failed validation (rejected){_why(facts.reason)}", None
+    if facts.status == "revoked":
+        return f"{what}: the engine is revoked{_why(facts.reason)}", None
+    if not facts.signed_by:
+        return f"{what}: the engine is unsigned", None
+    if not facts.signed_by & trusted:
+        return f"{what}: the engine is signed by {', '.join(sorted(facts.signed_by))}, not a trusted key", None
+    if facts.target.startswith("sm") and sms and facts.target not in sms:
+        return (f"{what}: the engine is built for {facts.target} but the pod selects "
+                f"{', '.join(sorted(sms))} (engines load only on the architecture that built them)"), None
+    stale = facts.status == "stale" or (facts.head is not None and facts.revision != facts.head)
+    if stale:
+        why = f"built from {facts.revision}, the tracked head is {facts.head}" if facts.head else "stale"
+        if allow_stale:
+            return None, f"{what} is stale ({why}); admitted by {ALLOW_STALE}: {allow_stale}"
+        return f"{what}: the engine is stale ({why}); set the annotation {ALLOW_STALE}: <reason> to run it anyway", None
+    return None, None
+
+
+def _why(reason: str | None) -> str:
+    return f": {reason}" if reason else ""
+
+
+def review(body: Any, *, hosts: set[str], allow_tags: bool, trusted: set[str],
+           lookup: Callable[[ImageRef], EngineFacts | None]) -> dict[str, Any]:
+    """The AdmissionReview answering ``body``. ``lookup`` reads one reference's facts (by digest, or by tag when
+    tags are allowed). ``ValueError`` when ``body`` is not an AdmissionReview request."""
+    if not isinstance(body, dict) or body.get("kind") != "AdmissionReview" or not isinstance(body.get("request"), dict):
+        raise ValueError("not an AdmissionReview with a request")
+    request = body["request"]
+    uid = request.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise ValueError("request.uid is missing")
+    denials, warnings = [], []
+    found = pod_template(request) if request.get("operation", "CREATE") in ("CREATE", "UPDATE", "CONNECT") else None
+    if found is not None:
+        meta, spec = found
+        annotations = {**_dict(_dig(request["object"], ("metadata", "annotations"))), **_dict(meta.get("annotations"))}
+        allow_stale = str(annotations.get(ALLOW_STALE) or "").strip() or None
+        sms, notes = asked_sms(spec)
+        warnings += notes
+        for where, reference in image_refs(spec):
+            host, repository, tag, digest = parse_reference(reference)
+            if host is None or host not in hosts:
+                continue  # another registry: not ours to judge
+            ref = ImageRef(where, reference, host, repository, tag, digest)
+            if digest is None and not allow_tags:
+                denials.append(f"{where}: {reference} names an engine by tag; use {host}/{repository}@sha256:… "
+                               "(a tag can move under a running deployment)")
+                continue
+            if digest is not None and not DIGEST_RE.match(digest):
+                denials.append(f"{where}: {reference} has a malformed digest")
+                continue
+            denial, warning = verdict(ref, lookup(ref), sms=sms, allow_stale=allow_stale, trusted=trusted)
+            if denial:
+                denials.append(denial)
+            if warning:
+                warnings.append(warning)
+    response: dict[str, Any] = {"uid": uid, "allowed": not denials}
+    if denials:
+        response["status"] = {"code": 403, "reason": "Forbidden",
+                              "message": "kiln denied this pod: " + "; ".join(denials)}
+    if warnings:
+        response["warnings"] = [w[:1000] for w in warnings]
+    version = body.get("apiVersion") if body.get("apiVersion") in ("admission.k8s.io/v1", "admission.k8s.io/v1beta1") \
+        else "admission.k8s.io/v1"
+    return {"apiVersion": version, "kind": "AdmissionReview",
+            "response": response}
+
+
+def _facts_statement():
+    a, m, r = Artifact.__table__, TrackedModel.__table__, Referrer.__table__
+    return (select(a.c.digest, a.c.status, a.c.status_reason, a.c.target, a.c.checkpoint_revision, m.c.head_sha,
+                   r.c.artifact_type, r.c.annotations)
+            .select_from(a.outerjoin(m, m.c.name == a.c.repository)
+                         .outerjoin(r, and_(r.c.subject == a.c.digest, r.c.artifact_type.in_(SIGNED_TYPES))))
+            .where(a.c.digest == bindparam("digest")))
+
+
+FACTS = _facts_statement()
+TAG_DIGEST = select(Tag.__table__.c.digest).where(Tag.__table__.c.repository == bindparam("repository"),
+                                                   Tag.__table__.c.name == bindparam("tag"))
+
+
+def signed_keys(rows) -> frozenset[str]:
+    """Keys that signed both the engine files and the provenance, from (artifact_type, annotations) rows."""
+    by_type: dict[str, set[str]] = {t: set() for t in SIGNED_TYPES}
+    for artifact_type, annotations in rows:
+        if artifact_type in by_type and isinstance(annotations, dict) and annotations.get(SIGNATURE_KEY_ANNOTATION):
+            by_type[artifact_type].add(annotations[SIGNATURE_KEY_ANNOTATION])
+    return frozenset(set.intersection(*by_type.values()))
+
+
+def engine_facts(session: Session, ref: ImageRef) -> EngineFacts | None:
+    """The facts of one reference: one indexed statement (plus the tag's row when it names a tag)."""
+    digest = ref.digest
+    if digest is None:
+        digest = session.execute(TAG_DIGEST, {"repository": ref.repository, "tag": ref.tag}).scalar()
+        if digest is None:
+            return None
+    rows = session.execute(FACTS, {"digest": digest}).all()
+    if not rows:
+        return None
+    first = rows[0]
+    return EngineFacts(first.digest, first.status, first.status_reason, first.target, first.checkpoint_revision,
+                       first.head_sha, signed_keys((r.artifact_type, r.annotations) for r in rows))
+
+
+def signature_summary(session: Session, digest: str, trusted: set[str]) -> dict[str, Any]:
+    """``{signed, key, keys, trusted}`` of one engine, for /v1/artifacts and /v1/resolve."""
+    rows = session.execute(select(Referrer.artifact_type, Referrer.annotations).where(
+        Referrer.subject == digest, Referrer.artifact_type.in_(SIGNED_TYPES))).all()
+    keys = signed_keys((r.artifact_type, r.annotations) for r in rows)
+    good = sorted(keys & trusted)
+    return {"signed": bool(keys), "trusted": bool(good), "key": (good or sorted(keys) or [None])[0],
+            "keys": sorted(keys)}
