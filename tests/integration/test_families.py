@@ -86,7 +86,7 @@ def test_family_builds_validates_and_publishes_on_both_backends(family, tmp_path
     expected = _transformers_perplexity(ckpt, text, EVALUATION["seq_len"], EVALUATION["max_tokens"])
     metrics = fp8_aot.validation["metrics"]
     assert metrics["reference_perplexity"] == pytest.approx(expected, rel=1e-4)
-    assert metrics["reference_perplexity"] < 1000  # trained: below a uniform guess over 2048 tokens
+    assert metrics["reference_perplexity"] < 2048  # trained: below a uniform guess over 2048 tokens
     assert nvfp4_aot.validation["metrics"]["reference_perplexity"] == pytest.approx(expected, rel=1e-4)
 
     # the compiled engine and the checkpoint artifact of the same FP8 weights compute the same thing
