@@ -38,10 +38,12 @@ def gc(dry_run: bool, keep: int, older_than_days: float, as_json: bool) -> None:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (the exit code still says corrupted)")
 def fsck(as_json: bool) -> None:
-    """Check every blob in the store against its digest; exit 3 when any is corrupted."""
+    """Check every blob in the store against its digest, and that every blob an engine, referrer or stored stage
+    output needs is there; exit 3 when any is corrupted or missing."""
+    from builder.gc import missing_blobs
     from kiln.errors import DigestMismatch
 
-    _, store, _ = _context()
+    _, store, sessions = _context()
     bad, n = [], 0
     for digest in store.list_digests():
         n += 1
@@ -49,9 +51,15 @@ def fsck(as_json: bool) -> None:
             bad.append(digest)
             if not as_json:
                 click.echo(f"corrupted {digest}")
+    with sessions() as s:
+        missing = missing_blobs(s, store)
     if as_json:
-        click.echo(json.dumps({"checked": n, "corrupted": bad}, sort_keys=True))
+        click.echo(json.dumps({"checked": n, "corrupted": bad,
+                               "missing": [{"digest": d, "needed_by": who} for d, who in missing]}, sort_keys=True))
     else:
-        click.echo(f"checked {n} blob(s): {len(bad)} corrupted")
-    if bad:
-        raise DigestMismatch(f"{len(bad)} corrupted blob(s) in {store.url}", fix="restore them or rebuild the engines")
+        for digest, who in missing:
+            click.echo(f"missing {digest} (needed by {who})")
+        click.echo(f"checked {n} blob(s): {len(bad)} corrupted, {len(missing)} missing")
+    if bad or missing:
+        raise DigestMismatch(f"{len(bad)} corrupted and {len(missing)} missing blob(s) in {store.url}",
+                             fix="restore them or rebuild the engines")

@@ -55,6 +55,20 @@ def _reachable(store: BlobStore, manifest_digest: str) -> set[str]:
     return {manifest_digest, m["config"]["digest"], *(layer["digest"] for layer in m.get("layers", []))}
 
 
+def missing_blobs(session: Session, store: BlobStore) -> list[tuple[str, str]]:
+    """(digest, who needs it) for every blob an index row, referrer or stage output names that the store lacks:
+    what GC must never cause (``kiln fsck`` reports them)."""
+    present = set(store.list_digests())
+    needs: list[tuple[str, str]] = []
+    for a in session.scalars(select(Artifact)):
+        needs += [(d, f"engine {a.digest}") for d in sorted(_reachable(store, a.digest))]
+    for r in session.scalars(select(Referrer)):
+        needs += [(d, f"referrer {r.digest} of {r.subject}") for d in sorted(_reachable(store, r.digest))]
+    for out in session.scalars(select(StageOutput)):
+        needs.append((out.digest, f"{out.stage} output {out.key}"))
+    return [(d, who) for d, who in needs if d not in present]
+
+
 def plan_gc(session: Session, store: BlobStore, *, keep: int = 2, older_than: timedelta = timedelta(days=7),
             grace: timedelta = DEFAULT_GRACE) -> GCPlan:
     now = datetime.now(timezone.utc)

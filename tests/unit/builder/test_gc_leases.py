@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import select
 
 from artifacts.local import LocalBlobStore
-from artifacts.oci import read_manifest
-from builder.gc import plan_gc, run_gc, sweep
+from artifacts.oci import EMPTY_DESCRIPTOR, read_manifest
+from builder.gc import missing_blobs, plan_gc, run_gc, sweep
 from builder.leases import BlobLeases, LeasedStore, absolve, condemn
 from builder.publish import publish
 from kiln import db
@@ -91,6 +91,8 @@ def test_a_publish_that_dedupes_against_a_blob_gc_planned_to_sweep_keeps_it(stor
     assert layer in plan.leased and layer not in plan.blobs
     assert all(store.exists(d) for d in reachable(store, second.digest))
     assert first_manifest_gone(plan, store)
+    with sessions() as s:
+        assert missing_blobs(s, store) == []
     leases.release()  # the build ended: its references are committed; a GC planned from now on sees them
     later = run_gc(sessions, store, dry_run=False, keep=0, older_than=timedelta(0))
     assert layer not in later.blobs and all(store.exists(d) for d in reachable(store, second.digest))
@@ -104,6 +106,9 @@ def test_without_leases_the_same_interleaving_breaks_the_engine(store, sessions,
     """The control: the race is real. A writer that does not lease loses its layer to the sweep."""
     plan, second, layer = race(store, sessions, engine_dir, store)
     assert layer in plan.blobs and not store.exists(layer)
+    with sessions() as s:  # and fsck's check says so (the referrers' shared empty config went too)
+        missing = missing_blobs(s, store)
+    assert (layer, f"engine {second.digest}") in missing and {d for d, _ in missing} == {layer, EMPTY_DESCRIPTOR["digest"]}
 
 
 def test_a_writer_that_comes_second_waits_for_the_sweep_and_uploads_afresh(store, sessions):
