@@ -3,7 +3,8 @@ or a running build needs. Index rows go first, then the blobs no kept manifest, 
 reaches, so a reader never finds an index row whose blobs are gone.
 
 Safe while builds run: a writer claims every digest it stores before the store may dedupe against it, and GC
-claims each blob before deleting it (``builder/leases.py``); a plan older than the grace period is not swept.
+claims each blob before deleting it (``builder/leases.py``); a build's claims bind the plans made before it ended,
+and a plan older than the grace period is not swept.
 Stage outputs (``stage_outputs`` rows: quantized checkpoints and compiled engines in the store) are kept while a
 fresh or tagged engine was built from them or a build used them within the grace period."""
 
@@ -37,6 +38,7 @@ class GCPlan:
     deferred: str | None = None
     sizes: dict[str, int] = field(default_factory=dict, repr=False)
     made_at: float = field(default_factory=time.monotonic, repr=False)
+    started: datetime = field(default_factory=lambda: datetime.now(timezone.utc), repr=False)  # before any read
 
     def to_dict(self) -> dict:
         return {"artifacts": self.artifacts, "referrers": self.referrers, "stage_outputs": self.stage_outputs,
@@ -71,8 +73,8 @@ def missing_blobs(session: Session, store: BlobStore) -> list[tuple[str, str]]:
 
 def plan_gc(session: Session, store: BlobStore, *, keep: int = 2, older_than: timedelta = timedelta(days=7),
             grace: timedelta = DEFAULT_GRACE) -> GCPlan:
-    now = datetime.now(timezone.utc)
     plan = GCPlan()
+    now = plan.started
     tagged = {t.digest for t in session.scalars(select(Tag))}
     rows = session.scalars(select(Artifact).order_by(Artifact.created_at.desc())).all()
     seen: dict[tuple[str, str], int] = {}
@@ -103,7 +105,7 @@ def plan_gc(session: Session, store: BlobStore, *, keep: int = 2, older_than: ti
             needed.add(out.digest)
         else:
             plan.stage_outputs.append(out.key)
-    held = leased_digests(session)
+    held = leased_digests(session, plan.started)
     for digest in store.list_digests():
         if digest in needed:
             continue
@@ -144,7 +146,7 @@ def sweep(sessions: sessionmaker[Session], store: BlobStore, plan: GCPlan, *, gr
     holder = f"gc-{uuid.uuid4().hex}"
     swept = []
     for digest in plan.blobs:
-        if not condemn(sessions, digest, holder):
+        if not condemn(sessions, digest, holder, plan.started):
             plan.leased.append(digest)
             continue
         try:

@@ -10,10 +10,11 @@ digest in the database (``blob_leases``) first, each committing its own row befo
   on it: if there is one it keeps the blob, otherwise it deletes it and drops its sweep lease.
 
 Whichever commits second sees the first one's row, so either GC keeps the blob or the writer waits until GC has
-deleted it and then uploads it afresh. A ``use`` lease lasts while its build runs (at most ``lease_ttl_s``, so a
-killed writer's leases expire) and then ``gc_grace_s`` more (:meth:`BlobLeases.release`): by then the writer's
-references are committed, and GC refuses to sweep a plan older than the grace period (``builder/gc.py``), so no GC
-sweeps with a list of references made before them.
+deleted it and then uploads it afresh. A ``use`` lease holds while its build runs (at most ``lease_ttl_s``, so a
+killed writer's leases lapse). When the build ends its references are committed and the lease is *released*: it
+then binds only GC plans made before the release (their lists of references predate the build's index rows), and
+is purged after ``gc_grace_s``; GC refuses to sweep a plan older than that (``builder/gc.py``). A GC planned after
+a build ended collects what that build left unreferenced at once.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any, BinaryIO
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.interfaces import BlobInfo, BlobStore, Survey
@@ -43,9 +44,13 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _live(session: Session, digest: str, purpose: str, now: datetime) -> list[BlobLease]:
-    return list(session.scalars(select(BlobLease).where(BlobLease.digest == digest, BlobLease.purpose == purpose,
-                                                        BlobLease.expires_at > now)))
+def _live(session: Session, digest: str, purpose: str, now: datetime, since: datetime | None = None) -> list[BlobLease]:
+    """Unexpired leases on ``digest``; with ``since`` (a GC plan's start), released ones count only when they were
+    released after it."""
+    query = select(BlobLease).where(BlobLease.digest == digest, BlobLease.purpose == purpose, BlobLease.expires_at > now)
+    if since is not None:
+        query = query.where(or_(BlobLease.released_at.is_(None), BlobLease.released_at > since))
+    return list(session.scalars(query))
 
 
 class BlobLeases:
@@ -61,7 +66,7 @@ class BlobLeases:
         """Claim ``digest`` before relying on it; returns once no GC is sweeping it (the blob may then be gone)."""
         digest = parse_digest(digest)
         with self.sessions() as s:
-            s.merge(BlobLease(digest=digest, holder=self.holder, purpose=USE,
+            s.merge(BlobLease(digest=digest, holder=self.holder, purpose=USE, released_at=None,
                               expires_at=_now() + timedelta(seconds=self.ttl_s)))
             s.commit()
             self.digests.add(digest)
@@ -70,25 +75,26 @@ class BlobLeases:
                 time.sleep(self.poll_s)
 
     def release(self) -> None:
-        """The build is over: its leases last the grace period more, then expire."""
+        """The build is over (its references are committed): its leases bind only GC plans made before now, and
+        are purged after the grace period."""
         if not self.digests:
             return
-        until = _now() + timedelta(seconds=self.grace_s)
+        now = _now()
         with self.sessions() as s:
-            s.execute(update(BlobLease).where(BlobLease.holder == self.holder, BlobLease.expires_at > until)
-                      .values(expires_at=until))
+            s.execute(update(BlobLease).where(BlobLease.holder == self.holder, BlobLease.released_at.is_(None))
+                      .values(released_at=now, expires_at=now + timedelta(seconds=self.grace_s)))
             s.commit()
         self.digests.clear()
 
 
-def condemn(sessions: sessionmaker[Session], digest: str, holder: str) -> bool:
-    """GC's claim before deleting ``digest``: True when no writer holds it (delete it, then :func:`absolve`);
-    False when one does (the claim is withdrawn and the blob kept)."""
+def condemn(sessions: sessionmaker[Session], digest: str, holder: str, since: datetime) -> bool:
+    """GC's claim before deleting ``digest``, for a plan started at ``since``: True when no writer holds it (delete
+    it, then :func:`absolve`); False when one does (the claim is withdrawn and the blob kept)."""
     with sessions() as s:
         s.merge(BlobLease(digest=digest, holder=holder, purpose=SWEEP,
                           expires_at=_now() + timedelta(seconds=SWEEP_TTL_S)))
         s.commit()
-        if not _live(s, digest, USE, _now()):
+        if not _live(s, digest, USE, _now(), since):
             return True
     absolve(sessions, digest, holder)
     return False
@@ -108,10 +114,11 @@ def purge_expired(sessions: sessionmaker[Session]) -> int:
     return n
 
 
-def leased_digests(session: Session) -> set[str]:
-    """Digests some writer holds now (GC keeps them whatever its plan says)."""
-    return set(session.scalars(select(BlobLease.digest).where(BlobLease.purpose == USE,
-                                                              BlobLease.expires_at > _now())))
+def leased_digests(session: Session, since: datetime) -> set[str]:
+    """Digests some writer holds for a GC plan started at ``since`` (kept whatever the plan says)."""
+    return set(session.scalars(select(BlobLease.digest).where(
+        BlobLease.purpose == USE, BlobLease.expires_at > _now(),
+        or_(BlobLease.released_at.is_(None), BlobLease.released_at > since))))
 
 
 class LeasedStore(BlobStore):

@@ -207,3 +207,5 @@ class BlobLease(Base):
     holder: Mapped[str] = mapped_column(String(64), primary_key=True)
     purpose: Mapped[str] = mapped_column(String(8))
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    # when its build ended: it then binds only GC plans made before that (their reference lists predate it)
+    released_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

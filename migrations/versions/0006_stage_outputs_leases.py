@@ -31,6 +31,7 @@ def upgrade() -> None:
         sa.Column("holder", sa.String(64), primary_key=True),
         sa.Column("purpose", sa.String(8), nullable=False),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("released_at", sa.DateTime(timezone=True), nullable=True),
     )
     op.create_index("ix_blob_leases_expires_at", "blob_leases", ["expires_at"])
 

@@ -113,7 +113,7 @@ def test_without_leases_the_same_interleaving_breaks_the_engine(store, sessions,
 
 def test_a_writer_that_comes_second_waits_for_the_sweep_and_uploads_afresh(store, sessions):
     blob = store.put_bytes(b"shared bytes")
-    assert condemn(sessions, blob.digest, "gc-test")  # GC claimed it first: nobody holds it
+    assert condemn(sessions, blob.digest, "gc-test", utcnow())  # GC claimed it first: nobody holds it
     leases = BlobLeases(sessions, ttl_s=3600, grace_s=3600)
     writer = LeasedStore(store, leases)
     done = threading.Event()
@@ -134,9 +134,13 @@ def test_gc_keeps_a_blob_a_writer_holds_and_a_plan_older_than_the_grace_period_s
     leases.acquire(orphan.digest)
     plan = run_gc(sessions, store, dry_run=False)
     assert orphan.digest in plan.leased and store.exists(orphan.digest)
-    assert not condemn(sessions, orphan.digest, "gc-test")  # and a sweep claim is withdrawn at once
+    assert not condemn(sessions, orphan.digest, "gc-test", utcnow())  # and a sweep claim is withdrawn at once
     with sessions() as s:
         assert s.scalars(select(BlobLease).where(BlobLease.purpose == "sweep")).first() is None
+
+    leases.release()  # its build ended having referenced nothing: a GC planned from now on may take it
+    later = run_gc(sessions, store, dry_run=False)
+    assert orphan.digest in later.blobs and not store.exists(orphan.digest)
 
     stray = store.put_bytes(b"nobody's")
     with sessions() as s:
@@ -145,6 +149,21 @@ def test_gc_keeps_a_blob_a_writer_holds_and_a_plan_older_than_the_grace_period_s
     plan.made_at -= 2 * 3600  # the plan took longer than the grace period: a writer's lease may have lapsed since
     sweep(sessions, store, plan, grace=timedelta(hours=1))
     assert plan.blobs == [] and "grace period" in plan.deferred and store.exists(stray.digest)
+
+
+def test_a_released_lease_binds_the_plans_made_before_its_build_ended_and_no_later_one(store, sessions):
+    blob = store.put_bytes(b"relied on by a build that ended after the plan")
+    with sessions() as s:
+        before = plan_gc(s, store)
+    assert blob.digest in before.blobs  # planned while nobody held it
+    leases = BlobLeases(sessions, ttl_s=3600, grace_s=3600)
+    leases.acquire(blob.digest)  # a build dedupes against it, records its references, ends
+    leases.release()
+    sweep(sessions, store, before)  # this plan's references predate that build's: it must not sweep the blob
+    assert blob.digest in before.leased and store.exists(blob.digest)
+    with sessions() as s:
+        after = plan_gc(s, store)
+    assert blob.digest in after.blobs  # a plan made after the build ended sees its references (none here)
 
 
 def test_stage_outputs_no_engine_needs_are_collected_after_the_grace_period(store, sessions, engine_dir):
