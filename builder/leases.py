@@ -38,6 +38,9 @@ USE, SWEEP = "use", "sweep"
 #: How long a GC's claim on one blob lives: it deletes the blob right after claiming it, so a writer waits at most
 #: this long behind a GC that died mid-sweep.
 SWEEP_TTL_S = 60.0
+#: A release counts as before a plan only this long before the plan's start: the writer's and GC's wall clocks are
+#: compared (NTP keeps them within milliseconds; this covers a worse clock).
+CLOCK_MARGIN = timedelta(seconds=2)
 
 
 def _now() -> datetime:
@@ -49,7 +52,7 @@ def _live(session: Session, digest: str, purpose: str, now: datetime, since: dat
     released after it."""
     query = select(BlobLease).where(BlobLease.digest == digest, BlobLease.purpose == purpose, BlobLease.expires_at > now)
     if since is not None:
-        query = query.where(or_(BlobLease.released_at.is_(None), BlobLease.released_at > since))
+        query = query.where(or_(BlobLease.released_at.is_(None), BlobLease.released_at > since - CLOCK_MARGIN))
     return list(session.scalars(query))
 
 
@@ -118,7 +121,7 @@ def leased_digests(session: Session, since: datetime) -> set[str]:
     """Digests some writer holds for a GC plan started at ``since`` (kept whatever the plan says)."""
     return set(session.scalars(select(BlobLease.digest).where(
         BlobLease.purpose == USE, BlobLease.expires_at > _now(),
-        or_(BlobLease.released_at.is_(None), BlobLease.released_at > since))))
+        or_(BlobLease.released_at.is_(None), BlobLease.released_at > since - CLOCK_MARGIN))))
 
 
 class LeasedStore(BlobStore):

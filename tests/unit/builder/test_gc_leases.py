@@ -14,6 +14,7 @@ from sqlalchemy import select
 from artifacts.local import LocalBlobStore
 from artifacts.oci import EMPTY_DESCRIPTOR, read_manifest
 from builder.gc import missing_blobs, plan_gc, run_gc, sweep
+from builder import leases as leases_module
 from builder.leases import BlobLeases, LeasedStore, absolve, condemn
 from builder.publish import publish
 from kiln import db
@@ -138,7 +139,10 @@ def test_gc_keeps_a_blob_a_writer_holds_and_a_plan_older_than_the_grace_period_s
     with sessions() as s:
         assert s.scalars(select(BlobLease).where(BlobLease.purpose == "sweep")).first() is None
 
-    leases.release()  # its build ended having referenced nothing: a GC planned from now on may take it
+    leases.release()  # its build ended having referenced nothing
+    soon = run_gc(sessions, store, dry_run=False)  # within the clock margin: still counted as before the release
+    assert orphan.digest in soon.leased and store.exists(orphan.digest)
+    leases_module.CLOCK_MARGIN = timedelta(0)  # (restored by the fixture) a GC planned after the release takes it
     later = run_gc(sessions, store, dry_run=False)
     assert orphan.digest in later.blobs and not store.exists(orphan.digest)
 
@@ -151,7 +155,15 @@ def test_gc_keeps_a_blob_a_writer_holds_and_a_plan_older_than_the_grace_period_s
     assert plan.blobs == [] and "grace period" in plan.deferred and store.exists(stray.digest)
 
 
+@pytest.fixture(autouse=True)
+def _clock_margin():
+    saved = leases_module.CLOCK_MARGIN
+    yield
+    leases_module.CLOCK_MARGIN = saved
+
+
 def test_a_released_lease_binds_the_plans_made_before_its_build_ended_and_no_later_one(store, sessions):
+    leases_module.CLOCK_MARGIN = timedelta(0)
     blob = store.put_bytes(b"relied on by a build that ended after the plan")
     with sessions() as s:
         before = plan_gc(s, store)
