@@ -16,17 +16,21 @@ from api.cli import _context, main
 @click.option("--older-than-days", default=7.0, show_default=True, type=float)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def gc(dry_run: bool, keep: int, older_than_days: float, as_json: bool) -> None:
-    """Delete old stale, revoked and rejected engines and unreachable blobs (never a tagged or fresh engine)."""
+    """Delete old stale, revoked and rejected engines, stage outputs no engine needs and unreachable blobs
+    (never a tagged or fresh engine, nor a blob a running build holds)."""
     from builder.gc import run_gc
 
-    _, store, sessions = _context()
-    plan = run_gc(sessions, store, dry_run=dry_run, keep=keep, older_than=timedelta(days=older_than_days))
+    settings, store, sessions = _context()
+    plan = run_gc(sessions, store, dry_run=dry_run, keep=keep, older_than=timedelta(days=older_than_days),
+                  grace=timedelta(seconds=settings.gc_grace_s))
     if as_json:
         click.echo(json.dumps({"dry_run": dry_run, **plan.to_dict()}, sort_keys=True))
         return
     verb = "would delete" if dry_run else "deleted"
-    click.echo(f"{verb} {len(plan.artifacts)} engine(s), {len(plan.referrers)} referrer(s), {len(plan.blobs)} blob(s), "
-               f"{plan.bytes:,} bytes" + (f" ({plan.deferred})" if plan.deferred else ""))
+    click.echo(f"{verb} {len(plan.artifacts)} engine(s), {len(plan.referrers)} referrer(s), "
+               f"{len(plan.stage_outputs)} stage output(s), {len(plan.blobs)} blob(s), {plan.bytes:,} bytes"
+               + (f"; kept {len(plan.leased)} blob(s) a running build holds" if plan.leased else "")
+               + (f" ({plan.deferred})" if plan.deferred else ""))
     for d in plan.artifacts:
         click.echo(f"  engine {d}")
 
@@ -34,10 +38,12 @@ def gc(dry_run: bool, keep: int, older_than_days: float, as_json: bool) -> None:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (the exit code still says corrupted)")
 def fsck(as_json: bool) -> None:
-    """Check every blob in the store against its digest; exit 3 when any is corrupted."""
+    """Check every blob in the store against its digest, and that every blob an engine, referrer or stored stage
+    output needs is there; exit 3 when any is corrupted or missing."""
+    from builder.gc import missing_blobs
     from kiln.errors import DigestMismatch
 
-    _, store, _ = _context()
+    _, store, sessions = _context()
     bad, n = [], 0
     for digest in store.list_digests():
         n += 1
@@ -45,9 +51,15 @@ def fsck(as_json: bool) -> None:
             bad.append(digest)
             if not as_json:
                 click.echo(f"corrupted {digest}")
+    with sessions() as s:
+        missing = missing_blobs(s, store)
     if as_json:
-        click.echo(json.dumps({"checked": n, "corrupted": bad}, sort_keys=True))
+        click.echo(json.dumps({"checked": n, "corrupted": bad,
+                               "missing": [{"digest": d, "needed_by": who} for d, who in missing]}, sort_keys=True))
     else:
-        click.echo(f"checked {n} blob(s): {len(bad)} corrupted")
-    if bad:
-        raise DigestMismatch(f"{len(bad)} corrupted blob(s) in {store.url}", fix="restore them or rebuild the engines")
+        for digest, who in missing:
+            click.echo(f"missing {digest} (needed by {who})")
+        click.echo(f"checked {n} blob(s): {len(bad)} corrupted, {len(missing)} missing")
+    if bad or missing:
+        raise DigestMismatch(f"{len(bad)} corrupted and {len(missing)} missing blob(s) in {store.url}",
+                             fix="restore them or rebuild the engines")

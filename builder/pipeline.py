@@ -1,17 +1,15 @@
 """One build: resolve → quantize → compile → validate → publish. Each stage is a plain function of its
-inputs; the quantize and compile outputs are cached under their stage keys (written to a staging folder and
-renamed into place), so an equal key reuses them and a crashed build resumes from its last finished stage."""
+inputs; the quantize and compile outputs are kept under their stage keys in the blob store, with a bounded local
+copy (builder/stagecache.py), so an equal key reuses them on any worker and a crashed build resumes, anywhere,
+from its last finished stage. Every blob the build stores is leased first, so GC never sweeps it from under the
+build (builder/leases.py)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Callable
 
 from sqlalchemy import select
@@ -22,8 +20,10 @@ from artifacts.interfaces import BlobStore
 from artifacts.oci import survey_engine_layer
 from builder import quantize as quantize_stage
 from builder.backends import get_backend
+from builder.leases import BlobLeases, LeasedStore
 from builder.publish import publish, tag_for
 from builder.resolve import ResolvedCheckpoint, read_model_config, resolve_checkpoint
+from builder.stagecache import StageCache
 from kiln.datasets import load_text
 from kiln.errors import BuildCancelled, KilnError
 from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, request_key
@@ -82,32 +82,13 @@ class Prepared:
     request_key: str
 
 
-def _cached_dir(root: Path, key: str) -> Path:
-    return root / key.split(":", 1)[1]
-
-
-def _run_cached(root: Path, key: str, produce: Callable[[Path], dict]) -> tuple[Path, dict | None]:
-    """Return the stage output for ``key``; ``produce`` writes it into a staging path renamed into place."""
-    final = _cached_dir(root, key)
-    if (final / ".complete").is_file():
-        return final, None
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".staging-{uuid.uuid4().hex}"
-    try:
-        record = produce(staging)
-        (staging / ".complete").write_text(json.dumps(record, sort_keys=True))
-        if final.exists():  # a crashed earlier attempt left an incomplete folder
-            shutil.rmtree(final)
-        staging.rename(final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final, record
-
-
 class Builder:
     def __init__(self, settings: Settings, store: BlobStore, sessions: sessionmaker[Session], *,
                  on_event: Event | None = None, should_cancel: Callable[[], bool] | None = None):
-        self.settings, self.store, self.sessions = settings, store, sessions
+        self.settings, self.sessions = settings, sessions
+        self.leases = BlobLeases(sessions, ttl_s=settings.lease_ttl_s, grace_s=settings.gc_grace_s)
+        self.store = LeasedStore(store, self.leases) if store is not None else None
+        self.stage_cache = StageCache(settings.cache_dir, self.store, sessions, max_bytes=settings.cache_max_bytes)
         self.on_event = on_event or (lambda kind, data: None)
         self.should_cancel = should_cancel or (lambda: False)
 
@@ -144,20 +125,28 @@ class Builder:
             environment = {"ready": True}
         except KilnError as exc:
             environment = {"ready": False, "reason": str(exc)}
-        qdir = _cached_dir(self.settings.cache_dir / "quantize", p.quantize_key)
-        cdir = _cached_dir(self.settings.cache_dir / "compile", p.compile_key)
+        qdir = self.stage_cache.path("quantize", p.quantize_key)
+        cdir = self.stage_cache.path("compile", p.compile_key)
         existing = self._existing(p.build_key)
         return {
             "build_key": p.build_key, "quantize_key": p.quantize_key, "compile_key": p.compile_key,
             "spec": p.spec.model_dump(), "profile": p.spec.batch_profile.model_dump(), "tag": tag_for(p.spec),
             "checkpoint": p.resolved.provenance(), "toolchain": p.toolchain, "gates": p.gates,
             "cached": {"artifact": existing.digest if existing else None,
-                       "quantize": (qdir / ".complete").is_file(), "compile": (cdir / ".complete").is_file()},
+                       "quantize": self.stage_cache.where("quantize", p.quantize_key) is not None,
+                       "compile": self.stage_cache.where("compile", p.compile_key) is not None},
             "compile": get_backend(p.spec.backend).plan(p.spec, qdir, cdir), "environment": environment,
         }
 
     # -- running ---------------------------------------------------------------------------------
     def build(self, spec: BuildSpec) -> BuildOutcome:
+        try:
+            return self._build(spec)
+        finally:  # the stage outputs it held may be evicted now; its blob leases run out after the grace period
+            self.stage_cache.release()
+            self.leases.release()
+
+    def _build(self, spec: BuildSpec) -> BuildOutcome:
         p, resolve_rec = self.prepare(spec)
         stages = [resolve_rec]
         existing = self._existing(p.build_key)
@@ -169,12 +158,12 @@ class Builder:
 
         backend = get_backend(spec.backend)
         self._check_cancel()
-        qdir, rec = self._stage("quantize", lambda: _run_cached(
-            self.settings.cache_dir / "quantize", p.quantize_key,
+        qdir, rec = self._stage("quantize", lambda: self.stage_cache.get(
+            "quantize", p.quantize_key,
             lambda out: quantize_stage.quantize(p.resolved.local_dir, spec, p.calib_text, out)), stages)
         self._check_cancel()
-        cdir, _ = self._stage("compile", lambda: _run_cached(
-            self.settings.cache_dir / "compile", p.compile_key,
+        cdir, _ = self._stage("compile", lambda: self.stage_cache.get(
+            "compile", p.compile_key,
             lambda out: backend.compile(spec, qdir, out, checkpoint_dir=p.resolved.local_dir)), stages)
         self._check_cancel()
         with ThreadPoolExecutor(1, thread_name_prefix="kiln-layer-survey") as ahead:

@@ -179,3 +179,33 @@ class ApiToken(Base):
     scopes: Mapped[list] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class StageOutput(Base):
+    """A finished quantize or compile output kept in the blob store: ``key`` (its stage key) → ``digest`` (the
+    deterministic tar of the output directory). Any worker reuses it (builder/stagecache.py); ``last_used_at``
+    moves on every use, and ``kiln gc`` drops rows no engine needs that were unused for the grace period."""
+
+    __tablename__ = "stage_outputs"
+
+    key: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    stage: Mapped[str] = mapped_column(String(16))
+    digest: Mapped[str] = mapped_column(DIGEST, index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_used_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+
+class BlobLease(Base):
+    """A claim on a blob (builder/leases.py). ``purpose`` "use": a writer relies on the blob (dedupe) and has not
+    yet recorded a reference to it; "sweep": GC is about to delete it. Each side writes its row, then reads the
+    other's, so of a concurrent publish and sweep at least one sees the other."""
+
+    __tablename__ = "blob_leases"
+
+    digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    holder: Mapped[str] = mapped_column(String(64), primary_key=True)
+    purpose: Mapped[str] = mapped_column(String(8))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    # when its build ended: it then binds only GC plans made before that (their reference lists predate it)
+    released_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

@@ -35,7 +35,6 @@ class Settings(BaseSettings):
     # `kiln pull --server`: the most bytes an engine's layers may declare together (a hostile server is refused
     # before anything is downloaded)
     pull_max_bytes: int = Field(default=256 << 30, gt=0)
-    redirect_blobs: bool = False
     # Signing: an ECDSA P-256 private key as PEM text or a PEM file's path; default: generated under home/keys.
     signing_key: str | None = None
     # Keys that verify besides the signing key (rotation): PEM text, or PEM files separated by os.pathsep.
@@ -43,7 +42,15 @@ class Settings(BaseSettings):
     # Admission webhook: the registry host names (host[:port], comma separated) whose image references it checks;
     # default: the Host the webhook request was addressed to. Tag references are denied unless allowed here.
     registry_hosts: str | None = None
-    admission_allow_tags: bool = False  # /v2 blob GETs answer 307 to a short-lived presigned S3 URL (S3 stores only)
+    admission_allow_tags: bool = False
+    redirect_blobs: bool = False  # /v2 blob GETs answer 307 to a short-lived presigned S3 URL (S3 stores only)
+    # The local stage cache (KILN_HOME/cache) is a bounded cache of the stage outputs kept in the store:
+    # least recently used entries are evicted past this many bytes (entries in use by a build never are).
+    cache_max_bytes: int = Field(default=100 << 30, ge=0)
+    # GC: a blob lease lasts this long after its build ended (and at most lease_ttl_s in all); a GC plan older
+    # than the grace period is not swept (builder/leases.py). Stage outputs unused this long may be collected.
+    gc_grace_s: float = Field(default=3600.0, gt=0)
+    lease_ttl_s: float = Field(default=6 * 3600.0, gt=0)
 
     @property
     def auth_required(self) -> bool:
@@ -67,7 +74,8 @@ class Settings(BaseSettings):
 
     @property
     def cache_dir(self) -> Path:
-        """Stage cache: quantized checkpoints and compiled engines, keyed by their stage keys."""
+        """Local stage cache: quantized checkpoints and compiled engines by stage key, a bounded copy of the
+        stage outputs in the store (builder/stagecache.py); also resolve's memos and S3 checkpoint downloads."""
         return self.home_dir / "cache"
 
     @cached_property

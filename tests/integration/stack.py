@@ -58,8 +58,14 @@ def redis_url() -> str:
 
 
 class Stack:
+    """The API (and the CLI) with ``home`` as KILN_HOME; every worker with a KILN_HOME of its own (as each container
+    or GPU node has its own disk), so the database, broker and store are always named explicitly: those given in
+    ``env``, else the embedded defaults under ``home``, shared by all."""
+
     def __init__(self, home: Path, env: dict[str, str]):
-        self.home, self.env = home, {**os.environ, **env, "KILN_HOME": str(home),
+        shared = {"KILN_DATABASE_URL": f"sqlite:///{home / 'kiln.db'}",
+                  "KILN_BROKER_URL": f"sqla+sqlite:///{home / 'broker.db'}", "KILN_STORE_URL": f"file://{home / 'store'}"}
+        self.home, self.env = home, {**os.environ, **shared, **env, "KILN_HOME": str(home),
                                      "KILN_CHECKPOINT_ROOTS": f"{REPO}{os.pathsep}{home.parent}"}
         self.procs: dict[str, subprocess.Popen] = {}
         self.port = free_port()
@@ -69,9 +75,14 @@ class Stack:
         return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=REPO, env=self.env,
                               capture_output=True, text=True, timeout=timeout)
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def worker_home(self, name: str) -> Path:
+        """The KILN_HOME of worker ``name`` (its stage cache lives there, nowhere else)."""
+        return self.home.parent / f"home-{name}"
+
+    def start(self, name: str, *args: str, home: Path | None = None) -> subprocess.Popen:
         log = open(self.home.parent / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "api.cli", *args], cwd=REPO, env=self.env,
+        env = self.env if home is None else {**self.env, "KILN_HOME": str(home)}
+        proc = subprocess.Popen([sys.executable, "-m", "api.cli", *args], cwd=REPO, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc
@@ -84,7 +95,7 @@ class Stack:
         self.wait_http("/healthz")
 
     def start_worker(self, name: str, *args: str) -> None:
-        self.start(name, "worker", "--name", name, *args)
+        self.start(name, "worker", "--name", name, *args, home=self.worker_home(name))
         deadline = time.time() + 60
         while time.time() < deadline:
             workers = httpx.get(f"{self.url}/v1/workers").json()["workers"]

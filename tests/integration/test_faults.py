@@ -4,6 +4,7 @@ processes killed by signal, the broker emptied, the database made unreachable.""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import time
 
@@ -58,7 +59,18 @@ def test_kill_9_of_a_worker_mid_stage_completes_once_on_another(stack):
     done = stack.wait_build(build["id"], timeout=300)
     assert done["status"] == "succeeded" and done["worker"] == "rescuer" and done["attempts"] == 2, done
     stages = {s["name"]: s["status"] for s in done["stages"]}
-    assert stages["quantize"] == "cached"  # resumed from the last finished stage
+    # resumed from the last finished stage on a worker with another disk: quantize came from the store
+    assert stages["quantize"] == "cached" and stages["compile"] == "ran", stages
+    engine = sa.create_engine(stack.db_url)
+    with engine.connect() as c:
+        provenance = c.execute(sa.text("SELECT provenance FROM artifacts WHERE build_key = :k"),
+                               {"k": done["build_key"]}).scalar()
+    engine.dispose()
+    qkey = (provenance if isinstance(provenance, dict) else json.loads(provenance))["quantize_key"].split(":")[1]
+    victim, rescuer = stack.worker_home("victim") / "cache", stack.worker_home("rescuer") / "cache"
+    assert (victim / "quantize" / qkey / ".complete").is_file()  # made there, before the kill
+    assert (rescuer / "quantize" / qkey / ".complete").is_file()  # fetched here, from the store
+    assert count(stack, "SELECT count(*) FROM stage_outputs WHERE key = :k", k=f"sha256:{qkey}") == 1
     assert count(stack, "SELECT count(*) FROM artifacts WHERE build_key = :k", k=done["build_key"]) == 1
     stack.stop("rescuer")
 
