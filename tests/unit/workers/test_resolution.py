@@ -10,10 +10,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from builder.publish import is_stale_now, move_tag
+from builder.publish import is_stale_now
 from kiln import db
 from kiln.errors import SpecError
 from kiln.models import Artifact, Tag, TrackedModel, utcnow
+from kiln.states import point_tag, remove_tag
 from workers.freshness import mark_stale
 from workers.resolution import parse_runtime, resolve_engine
 
@@ -42,7 +43,7 @@ def add_artifact(s, *, revision: str, slot, trtllm: str, passed: bool = True) ->
         a.status = "stale"
     s.add(a)
     if a.status == "fresh":
-        move_tag(s, MODEL, a.tag, a.digest, reason="test publish")
+        point_tag(s, MODEL, a.tag, a, reason="test publish")
     s.commit()
     return a
 
@@ -87,7 +88,7 @@ class Registry(RuleBasedStateMachine):
             a = data.draw(st.sampled_from(rows))
             a.status = "revoked"
             for t in s.query(Tag).filter(Tag.digest == a.digest).all():
-                move_tag(s, MODEL, t.name, None, reason="revoked")
+                remove_tag(s, MODEL, t.name, reason="revoked")
             s.commit()
 
     @rule(slot=st.sampled_from(SLOTS), runtime=st.sampled_from(RUNTIMES))
