@@ -17,7 +17,7 @@ from artifacts.signing import Signer, configured_signer
 from builder.attest import sign_engine
 from kiln.models import Artifact, Referrer, TrackedModel
 from kiln.spec import BuildSpec
-from kiln.states import add_artifact, initial_artifact_status
+from kiln.states import add_artifact, initial_artifact_status, move_artifact
 from validation.report import REPORT_TYPE, report_document, to_json
 
 PROVENANCE_TYPE = "application/vnd.kiln.provenance.v1+json"
@@ -75,9 +75,10 @@ def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: b
     }
 
 
-def is_stale_now(session: Session, repository: str, revision: str | None) -> bool:
-    """True when ``repository`` is a tracked model whose head is no longer ``revision``."""
-    model = session.get(TrackedModel, repository)
+def is_stale_now(session: Session, repository: str, revision: str | None, *, lock: bool = False) -> bool:
+    """True when ``repository`` is a tracked model whose head is no longer ``revision``. ``lock``: hold the
+    model's row (FOR UPDATE; SQLite's write lock does the same) until the caller commits."""
+    model = session.get(TrackedModel, repository, with_for_update=lock or None, populate_existing=lock)
     return model is not None and model.head_sha is not None and revision != model.head_sha
 
 
@@ -115,6 +116,12 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
             row.status = initial_artifact_status(
                 passed=passed, stale=is_stale_now(session, spec.model_name, provenance["checkpoint"]["revision"]))
             add_artifact(session, row, reason=f"published {build_key}")  # a fresh engine takes its tag
+            session.flush()
+            # The head may have moved after the read above and before this transaction began to write (its
+            # mark_stale then did not see this row): read it again, now that the row is written and the model's
+            # row held, so that one of the two transactions always sees the other.
+            if row.status == "fresh" and is_stale_now(session, spec.model_name, row.checkpoint_revision, lock=True):
+                move_artifact(session, row, "stale", reason=f"the tracked branch moved while {build_key} published")
             session.add(Referrer(digest=ref_digest, subject=image.digest, repository=spec.model_name,
                                  artifact_type=PROVENANCE_TYPE, size=store.stat(ref_digest).size,
                                  annotations=ref_annotations))
