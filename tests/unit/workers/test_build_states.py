@@ -206,7 +206,9 @@ def test_cancel_then_resubmit_makes_a_new_build(env):
     assert (b.status, b.active_key, b.cancel_requested, b.reason) == ("cancelled", None, True, "cancelled while queued")
     assert b.finished_at is not None
     twice = client.post(f"/v1/builds/{first}/cancel")
-    assert twice.status_code == 409 and twice.json()["error"]["code"] == "invalid_transition"
+    assert twice.status_code == 409 and twice.json()["error"] == {
+        "code": "invalid_transition", "field": "status", "message": f"build {first} is already cancelled",
+        "fix": "nothing to cancel"}
     new = client.post("/v1/builds", json=CPU).json()
     assert new["id"] != first and new["status"] == "queued"
     assert [q for _, q in broker.sent] == ["kiln.aot-inductor.cpu"] * 2
@@ -364,9 +366,14 @@ def test_reconciler_requeues_old_queued_builds_only_when_the_broker_queue_is_emp
 
 
 # -- the state machines ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("frm,to", [("queued", "succeeded"), ("queued", "queued"), ("succeeded", "failed"),
-                                     ("failed", "queued"), ("cancelled", "running"), ("running", "running")])
-def test_invalid_build_transitions_raise_and_change_nothing(env, frm, to):
+@pytest.mark.parametrize("frm,to,fix", [
+    ("queued", "succeeded", "a queued build can become cancelled, failed, running"),
+    ("queued", "queued", "a queued build can become cancelled, failed, running"),
+    ("running", "running", "a running build can become cancelled, failed, queued, succeeded"),
+    ("succeeded", "failed", "a succeeded build is final; submit a new build"),
+    ("failed", "queued", "a failed build is final; submit a new build"),
+    ("cancelled", "running", "a cancelled build is final; submit a new build")])
+def test_invalid_build_transitions_raise_and_change_nothing(env, frm, to, fix):
     settings, sessions, broker = env
     made = submit(settings, sessions, spec_of(settings, CPU), broker)
     with sessions() as s:
@@ -375,7 +382,8 @@ def test_invalid_build_transitions_raise_and_change_nothing(env, frm, to):
         s.commit()
         with pytest.raises(InvalidTransition) as e:
             move_build(s, b, to)
-        assert e.value.field == "status" and frm in e.value.message and e.value.fix
+        assert (e.value.field, e.value.message, e.value.fix) == (
+            "status", f"build {b.id} is {frm}; it cannot become {to}", fix)
         with pytest.raises(InvalidTransition):
             move_build_if_unchanged(s, b, to)
         s.rollback()
@@ -425,4 +433,51 @@ def test_revoke_route_untags_and_refuses_a_second_revoke(env, tmp_path):
         assert s.get(Artifact, engine.digest).status_reason == "leaks"
         assert s.scalars(select(TagEvent).order_by(TagEvent.id.desc())).first().reason == "revoked: leaks"
     again = client.post(f"/v1/artifacts/{engine.digest}/revoke", json={"reason": "again"})
-    assert again.status_code == 409 and again.json()["error"]["code"] == "invalid_transition"
+    assert again.status_code == 409 and again.json()["error"] == {
+        "code": "invalid_transition", "field": "status", "message": f"engine {engine.digest} is revoked; it cannot "
+        "become revoked", "fix": "a revoked engine is final"}
+
+
+def test_engine_transition_errors_say_what_is_allowed(env, tmp_path):
+    from kiln.states import add_artifact, initial_artifact_status
+
+    settings, sessions, _ = env
+    spec = spec_of(settings, CPU)
+    fresh = publish_for(settings, sessions, spec, "sha256:" + "4" * 64, tmp_path)
+    rejected = publish_for(settings, sessions, spec, "sha256:" + "5" * 64, tmp_path, passed=False)
+    assert [initial_artifact_status(passed=p, stale=st) for p, st in ((True, False), (True, True), (False, False),
+                                                                     (False, True))] == ["fresh", "stale", "rejected",
+                                                                                         "rejected"]
+    with sessions() as s:
+        with pytest.raises(InvalidTransition) as e:
+            move_artifact(s, s.get(Artifact, rejected.digest), "stale", reason="x")
+        assert (e.value.field, e.value.message, e.value.fix) == (
+            "status", f"engine {rejected.digest} is rejected; it cannot become stale", "a rejected engine can become revoked")
+        with pytest.raises(InvalidTransition) as e:
+            move_artifact(s, s.get(Artifact, fresh.digest), "fresh", reason="x")
+        assert e.value.fix == "a fresh engine can become revoked, stale"
+        with pytest.raises(InvalidTransition) as e:
+            point_tag(s, "acme/tiny", "other", s.get(Artifact, rejected.digest), reason="x")
+        assert (e.value.field, e.value.fix) == ("tag", "tag a fresh engine of this repository")
+        assert e.value.message == (f"acme/tiny:other can name only a fresh engine of acme/tiny; {rejected.digest} is "
+                                   "a rejected engine of acme/tiny")
+        revoked = Artifact(**{c.name: getattr(s.get(Artifact, fresh.digest), c.name)
+                              for c in Artifact.__table__.columns})
+        revoked.digest, revoked.build_key, revoked.status = "sha256:" + "6" * 64, "sha256:" + "7" * 64, "revoked"
+        with pytest.raises(InvalidTransition) as e:
+            add_artifact(s, revoked, reason="x")
+        assert (e.value.field, e.value.message, e.value.fix) == (
+            "status", "an engine is published fresh, rejected, stale, not revoked", "publish it as fresh, stale or rejected")
+        s.rollback()
+        # a tag already naming the engine: pointing it again records nothing
+        before = s.query(TagEvent).count()
+        point_tag(s, "acme/tiny", fresh.tag, s.get(Artifact, fresh.digest), reason="again")
+        s.commit()
+        assert s.query(TagEvent).count() == before
+        # moving an existing tag to another fresh engine records old → new
+        other = publish_for(settings, sessions, spec, "sha256:" + "8" * 64, tmp_path)
+        with sessions() as s2:
+            last = s2.scalars(select(TagEvent).order_by(TagEvent.id.desc())).first()
+            assert (last.old_digest, last.new_digest, last.reason) == (fresh.digest, other.digest,
+                                                                      f"published {'sha256:' + '8' * 64}")
+            assert s2.get(Tag, ("acme/tiny", fresh.tag)).digest == other.digest
