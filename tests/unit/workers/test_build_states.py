@@ -243,6 +243,12 @@ def test_runner_claims_runs_and_finishes_from_an_existing_engine(env, tmp_path):
     assert b.started_at is not None and b.finished_at is not None and b.stage is None
     assert [st["name"] for st in b.stages] == ["resolve", "quantize", "compile", "validate", "publish"]
     assert statuses(sessions, b.id) == ["queued", "running", "succeeded"]
+    assert b.reason is None and b.error is None
+    with sessions() as s:
+        data = [e.data for e in s.scalars(select(BuildEvent).where(BuildEvent.build_id == b.id,
+                                                                   BuildEvent.kind == "status").order_by(BuildEvent.id))]
+    assert data[1] == {"status": "running", "worker": "w1"} and data[2] == {"status": "succeeded", "digest": engine.digest}
+    assert data[0]["status"] == "queued" and set(data[0]) == {"status", "reason"}
     # a redelivered message leaves a finished build alone
     assert runner.run_build(made.build.id, settings, "w2") == "succeeded"
     assert row(sessions, b.id).worker == "w1" and statuses(sessions, b.id) == ["queued", "running", "succeeded"]
@@ -314,6 +320,9 @@ def test_a_storage_error_requeues_then_the_last_try_fails_the_build(env):
     b = row(sessions, made.build.id)
     assert (b.status, b.active_key, b.error["code"]) == ("failed", None, "storage_unavailable")
     assert "gave up after 2 attempts" in b.reason and "503" in b.reason
+    with sessions() as s:
+        last = s.scalars(select(BuildEvent).where(BuildEvent.build_id == b.id).order_by(BuildEvent.id.desc())).first()
+    assert last.data == {"status": "failed", "reason": b.reason, "error": b.error}
     assert statuses(sessions, b.id) == ["queued", "running", "queued", "running", "failed"]
 
 
