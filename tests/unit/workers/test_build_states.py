@@ -490,3 +490,55 @@ def test_engine_transition_errors_say_what_is_allowed(env, tmp_path):
             assert (last.old_digest, last.new_digest, last.reason) == (fresh.digest, other.digest,
                                                                       f"published {'sha256:' + '8' * 64}")
             assert s2.get(Tag, ("acme/tiny", fresh.tag)).digest == other.digest
+
+
+def test_a_stale_read_cannot_resurrect_a_finished_build(env):
+    settings, sessions, broker = env
+    made = submit(settings, sessions, spec_of(settings, CPU), broker)
+    with sessions() as s:
+        move_build_if_unchanged(s, s.get(Build, made.build.id), "running", worker="w1")
+        s.commit()
+    reconciler = sessions()
+    seen = reconciler.get(Build, made.build.id)  # read as running, attempt 1
+    assert seen.status == "running"
+    with sessions() as s:
+        move_build(s, s.get(Build, made.build.id), "failed", reason="boom")  # same attempt count
+        s.commit()
+    assert not move_build_if_unchanged(reconciler, seen, "queued", reason="worker lost")
+    reconciler.commit()
+    reconciler.close()
+    assert row(sessions, made.build.id).status == "failed"
+
+
+def test_a_stale_read_cannot_claim_a_build_claimed_and_requeued_since(env):
+    settings, sessions, broker = env
+    made = submit(settings, sessions, spec_of(settings, CPU), broker)
+    late = sessions()
+    seen = late.get(Build, made.build.id)  # read as queued, attempt 0
+    with sessions() as s:
+        assert move_build_if_unchanged(s, s.get(Build, made.build.id), "running", worker="w1")
+        s.commit()
+    with sessions() as s:
+        move_build(s, s.get(Build, made.build.id), "queued", reason="retrying")  # queued again, attempt 1
+        s.commit()
+    assert not move_build_if_unchanged(late, seen, "running", worker="w2")
+    late.commit()
+    late.close()
+    b = row(sessions, made.build.id)
+    assert (b.status, b.worker, b.attempts) == ("queued", "w1", 1)
+
+
+def test_the_atomic_move_refuses_like_the_plain_one(env):
+    from kiln.states import check_build_transition
+
+    settings, sessions, broker = env
+    made = submit(settings, sessions, spec_of(settings, CPU), broker)
+    with sessions() as s:
+        b = s.get(Build, made.build.id)
+        with pytest.raises(InvalidTransition) as e:
+            move_build_if_unchanged(s, b, "succeeded")
+        assert e.value.message == f"build {b.id} is queued; it cannot become succeeded"
+    with pytest.raises(InvalidTransition) as e:  # a status the machine does not know is final
+        check_build_transition("archived", "running", "b1")
+    assert (e.value.message, e.value.fix) == ("build b1 is archived; it cannot become running",
+                                              "a archived build is final; submit a new build")
