@@ -149,3 +149,15 @@ def test_without_auth_nothing_is_checked_but_the_body_limit(tmp_path):
                                                               "message": "body over 100 bytes",
                                                               "fix": "send a smaller request"}}
     assert open_app.post("/v1/builds", content=b"x" * 100).status_code == 422
+
+
+def test_a_database_error_while_checking_a_token_is_503_naming_it(client):
+    from sqlalchemy import text
+
+    with client.app.state.sessions() as s:  # the token table is gone: every lookup fails in the driver
+        s.execute(text("DROP TABLE api_tokens"))
+        s.commit()
+    r = client.get("/v1/artifacts", headers=bearer(BOOT))
+    assert r.status_code == 503 and r.json() == {"error": {
+        "code": "database_unavailable", "field": "database", "message": "the database is unreachable (OperationalError)",
+        "fix": "retry shortly; Kiln reconnects by itself"}}
