@@ -161,3 +161,17 @@ def test_a_database_error_while_checking_a_token_is_503_naming_it(client):
     assert r.status_code == 503 and r.json() == {"error": {
         "code": "database_unavailable", "field": "database", "message": "the database is unreachable (OperationalError)",
         "fix": "retry shortly; Kiln reconnects by itself"}}
+
+
+def test_a_token_with_a_scope_this_version_does_not_know_keeps_the_others(client):
+    import uuid
+
+    from kiln.models import utcnow
+
+    with client.app.state.sessions() as s:  # e.g. written by a newer version
+        s.add(ApiToken(id=uuid.uuid4().hex, name="old", token_sha256=token_hash("kiln_legacy"),
+                       scopes=["models:write", "artifacts:read"], created_at=utcnow()))
+        s.commit()
+    assert client.get("/v1/artifacts", headers=bearer("kiln_legacy")).status_code == 200
+    r = client.post("/v1/builds", json={}, headers=bearer("kiln_legacy"))
+    assert r.status_code == 403 and "models:write, artifacts:read" in r.json()["error"]["fix"]
