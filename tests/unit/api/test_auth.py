@@ -175,3 +175,10 @@ def test_a_token_with_a_scope_this_version_does_not_know_keeps_the_others(client
     assert client.get("/v1/artifacts", headers=bearer("kiln_legacy")).status_code == 200
     r = client.post("/v1/builds", json={}, headers=bearer("kiln_legacy"))
     assert r.status_code == 403 and "models:write, artifacts:read" in r.json()["error"]["fix"]
+
+
+def test_head_requests_need_only_the_read_scope(client):
+    read = make_token(client, "artifacts:read")["token"]
+    assert client.head("/v1/artifacts", headers=bearer(read)).status_code == 405  # past auth; no HEAD route
+    assert client.head("/v2/", headers=bearer(read)).status_code == 200
+    assert client.head("/v1/artifacts").status_code == 401

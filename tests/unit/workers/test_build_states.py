@@ -542,3 +542,22 @@ def test_the_atomic_move_refuses_like_the_plain_one(env):
         check_build_transition("archived", "running", "b1")
     assert (e.value.message, e.value.fix) == ("build b1 is archived; it cannot become running",
                                               "a archived build is final; submit a new build")
+
+
+def test_an_engine_leaving_fresh_loses_only_its_own_tags(env, tmp_path):
+    settings, sessions, _ = env
+    latency = publish_for(settings, sessions, spec_of(settings, CPU), "sha256:" + "a" * 64, tmp_path)
+    throughput = publish_for(settings, sessions, spec_of(settings, {**CPU, "profile": "throughput"}),
+                             "sha256:" + "b" * 64, tmp_path)
+    assert latency.tag != throughput.tag
+    with sessions() as s:
+        move_artifact(s, s.get(Artifact, latency.digest), "stale", reason="head moved")
+        s.commit()
+        assert s.get(Tag, ("acme/tiny", latency.tag)) is None
+        assert s.get(Tag, ("acme/tiny", throughput.tag)).digest == throughput.digest
+        a = s.get(Artifact, throughput.digest)
+        a.status = "archived"  # a status this version does not know: final
+        with pytest.raises(InvalidTransition) as e:
+            move_artifact(s, a, "revoked", reason="x")
+        assert e.value.fix == "a archived engine is final"
+        s.rollback()
