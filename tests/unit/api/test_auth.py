@@ -182,3 +182,11 @@ def test_head_requests_need_only_the_read_scope(client):
     assert client.head("/v1/artifacts", headers=bearer(read)).status_code == 405  # past auth; no HEAD route
     assert client.head("/v2/", headers=bearer(read)).status_code == 200
     assert client.head("/v1/artifacts").status_code == 401
+
+
+def test_lifespan_events_pass_through_the_middleware(tmp_path):
+    s = Settings(home=tmp_path / "home", auth="required", bootstrap_token=BOOT)
+    db.upgrade(s.db_url)
+    with TestClient(create_app(s, enqueue=lambda *a: None)) as client:  # startup and shutdown go through it
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/v1/artifacts", headers=bearer(BOOT)).status_code == 200
