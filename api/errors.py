@@ -15,6 +15,7 @@ TABLE: dict[type[e.KilnError], tuple[int, int]] = {
     e.ValidationFailed: (422, 1),
     e.SignatureInvalid: (422, 1),
     e.BuildCancelled: (409, 3),
+    e.InvalidTransition: (409, 2),
     e.DigestMismatch: (502, 3),
     e.ToolchainMissing: (503, 3),
     e.StorageUnavailable: (503, 3),

@@ -15,8 +15,9 @@ from artifacts.interfaces import BlobStore, Survey
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_engine_image, push_referrer
 from artifacts.signing import Signer, configured_signer
 from builder.attest import sign_engine
-from kiln.models import Artifact, Referrer, Tag, TagEvent, TrackedModel, utcnow
+from kiln.models import Artifact, Referrer, TrackedModel
 from kiln.spec import BuildSpec
+from kiln.states import add_artifact, initial_artifact_status, move_artifact
 from validation.report import REPORT_TYPE, report_document, to_json
 
 PROVENANCE_TYPE = "application/vnd.kiln.provenance.v1+json"
@@ -74,25 +75,11 @@ def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: b
     }
 
 
-def is_stale_now(session: Session, repository: str, revision: str | None) -> bool:
-    """True when ``repository`` is a tracked model whose head is no longer ``revision``."""
-    model = session.get(TrackedModel, repository)
+def is_stale_now(session: Session, repository: str, revision: str | None, *, lock: bool = False) -> bool:
+    """True when ``repository`` is a tracked model whose head is no longer ``revision``. ``lock``: hold the
+    model's row (FOR UPDATE; SQLite's write lock does the same) until the caller commits."""
+    model = session.get(TrackedModel, repository, with_for_update=lock or None, populate_existing=lock)
     return model is not None and model.head_sha is not None and revision != model.head_sha
-
-
-def move_tag(session: Session, repository: str, name: str, digest: str | None, *, reason: str) -> None:
-    """Point ``repository:name`` at ``digest`` (None removes it), recording the move. Caller commits."""
-    tag = session.get(Tag, (repository, name))
-    old = tag.digest if tag else None
-    if old == digest:
-        return
-    if digest is None:
-        session.delete(tag)
-    elif tag is None:
-        session.add(Tag(repository=repository, name=name, digest=digest, updated_at=utcnow()))
-    else:
-        tag.digest, tag.updated_at = digest, utcnow()
-    session.add(TagEvent(repository=repository, name=name, old_digest=old, new_digest=digest, reason=reason))
 
 
 def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path, *, spec: BuildSpec,
@@ -118,26 +105,31 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
                          annotations=ref_annotations)
     row = Artifact(
         digest=image.digest, build_key=build_key, request_key=request_key, repository=spec.model_name, tag=tag_for(spec),
-        status="fresh" if passed else "rejected", precision=spec.precision, target=spec.target,
+        precision=spec.precision, target=spec.target,
         profile=spec.batch_profile.name, backend=spec.backend, checkpoint_ref=spec.checkpoint,
         checkpoint_digest=provenance["checkpoint"]["digest"], checkpoint_revision=provenance["checkpoint"]["revision"],
         size=image.size + sum(layer.size for layer in image.layers), provenance=provenance, validation=validation,
     )
     with sessions() as session:
-        if passed and is_stale_now(session, spec.model_name, provenance["checkpoint"]["revision"]):
-            row.status = "stale"  # the tracked branch moved while this engine was building
-        session.add(row)
-        session.add(Referrer(digest=ref_digest, subject=image.digest, repository=spec.model_name,
-                             artifact_type=PROVENANCE_TYPE, size=store.stat(ref_digest).size,
-                             annotations=ref_annotations))
-        session.add(Referrer(digest=report_digest, subject=image.digest, repository=spec.model_name,
-                             artifact_type=REPORT_TYPE, size=store.stat(report_digest).size,
-                             annotations=ref_annotations))
-        for ref in signed:  # the engine files' signature and the signed provenance (builder/attest.py)
-            session.add(Referrer(subject=image.digest, repository=spec.model_name, **ref))
-        if row.status == "fresh":
-            move_tag(session, spec.model_name, row.tag, image.digest, reason=f"published {build_key}")
-        try:
+        try:  # any statement may meet the same key published first (autoflush): all of it is in the try
+            # stale: the tracked branch moved while this engine was building
+            row.status = initial_artifact_status(
+                passed=passed, stale=is_stale_now(session, spec.model_name, provenance["checkpoint"]["revision"]))
+            add_artifact(session, row, reason=f"published {build_key}")  # a fresh engine takes its tag
+            session.flush()
+            # The head may have moved after the read above and before this transaction began to write (its
+            # mark_stale then did not see this row): read it again, now that the row is written and the model's
+            # row held, so that one of the two transactions always sees the other.
+            if row.status == "fresh" and is_stale_now(session, spec.model_name, row.checkpoint_revision, lock=True):
+                move_artifact(session, row, "stale", reason=f"the tracked branch moved while {build_key} published")
+            session.add(Referrer(digest=ref_digest, subject=image.digest, repository=spec.model_name,
+                                 artifact_type=PROVENANCE_TYPE, size=store.stat(ref_digest).size,
+                                 annotations=ref_annotations))
+            session.add(Referrer(digest=report_digest, subject=image.digest, repository=spec.model_name,
+                                 artifact_type=REPORT_TYPE, size=store.stat(report_digest).size,
+                                 annotations=ref_annotations))
+            for ref in signed:  # the engine files' signature and the signed provenance (builder/attest.py)
+                session.add(Referrer(subject=image.digest, repository=spec.model_name, **ref))
             session.commit()
         except IntegrityError:  # someone published the same key first: theirs answers
             session.rollback()

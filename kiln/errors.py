@@ -101,6 +101,13 @@ class StageFailed(KilnError):
     code = "stage_failed"
 
 
+class InvalidTransition(KilnError):
+    """A status change the state machines (``kiln/states.py``) do not allow, e.g. revoking a revoked engine or
+    cancelling a finished build."""
+
+    code = "invalid_transition"
+
+
 class BuildCancelled(KilnError):
     """The build was cancelled; nothing was published."""
 

@@ -10,6 +10,16 @@ from kiln.settings import get_settings
 
 BUILD_SOFT_LIMIT_S = 4 * 3600
 BUILD_HARD_LIMIT_S = BUILD_SOFT_LIMIT_S + 300
+#: A build task retries only a storage error (kiln.errors.StorageUnavailable), this many times, after
+#: ``retry_delay_s(n)`` seconds; on its last try the build fails with the storage error as its reason.
+BUILD_MAX_RETRIES = 5
+BUILD_TASK_OPTIONS = {"acks_late": True, "reject_on_worker_lost": True, "max_retries": BUILD_MAX_RETRIES}
+
+
+def retry_delay_s(retries: int) -> int:
+    """Exponential backoff: 5, 10, 20, ... seconds, at most 300."""
+    return min(300, 5 * 2 ** retries)
+
 
 
 def make_app(broker_url: str | None = None) -> Celery:

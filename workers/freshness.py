@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from builder.publish import move_tag
 from builder.resolve import resolve_checkpoint
 from kiln.errors import SpecError
-from kiln.models import Artifact, Tag, TrackedModel, utcnow
+from kiln.models import Artifact, TrackedModel, utcnow
 from kiln.settings import Settings
 from kiln.spec import MODEL_NAME_RE, parse_spec
+from kiln.states import move_artifact
 from workers.submit import Enqueue, Submitted, submit
 
 MATRIX_FIELDS = {"precision", "profile", "target", "backend", "kv_cache", "tp_size", "calibration", "evaluation", "gates",
@@ -60,9 +60,7 @@ def mark_stale(session: Session, model: TrackedModel) -> int:
     rows = session.scalars(select(Artifact).where(Artifact.repository == model.name, Artifact.status == "fresh",
                                                   Artifact.checkpoint_revision != model.head_sha)).all()
     for a in rows:
-        a.status, a.status_reason = "stale", f"{model.hf_repo}@{model.branch} moved to {model.head_sha}"
-        for tag in session.scalars(select(Tag).where(Tag.repository == model.name, Tag.digest == a.digest)).all():
-            move_tag(session, model.name, tag.name, None, reason=f"stale: head moved to {model.head_sha}")
+        move_artifact(session, a, "stale", reason=f"{model.hf_repo}@{model.branch} moved to {model.head_sha}")
     return len(rows)
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from kiln.models import Build, BuildEvent, Worker
+from kiln.models import Build, Worker
+from kiln.states import move_build_if_unchanged
 from workers.registry import is_live
 
 log = logging.getLogger(__name__)
@@ -29,16 +30,15 @@ def reclaim_orphans(sessions: sessionmaker[Session], enqueue) -> list[str]:
     with sessions() as s:
         running = s.scalars(select(Build).where(Build.status == "running")).all()
         for b in running:
+            if b.status != "running":  # re-read after the previous commit: it finished or moved meanwhile
+                continue
             w = s.get(Worker, b.worker) if b.worker else None
             if w is not None and is_live(w):
                 continue
-            reset = s.execute(update(Build).where(Build.id == b.id, Build.status == "running",
-                                                  Build.attempts == b.attempts)
-                              .values(status="queued", reason=f"worker {b.worker} stopped; re-enqueued")).rowcount
-            if reset:
-                s.add(BuildEvent(build_id=b.id, kind="status", data={"status": "queued", "reason": "worker lost"}))
-                s.commit()
-                done.append((b.id, b.queue))
+            worker, build_id, queue = b.worker, b.id, b.queue
+            if move_build_if_unchanged(s, b, "queued", reason=f"worker {worker} stopped; re-enqueued"):
+                done.append((build_id, queue))
+            s.commit()
     for build_id, queue in done:
         enqueue(build_id, queue)
     return [d[0] for d in done]

@@ -7,9 +7,6 @@ an interrupted one runs again, resuming from the stage cache (finished quantize/
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
-
-from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.factory import open_store
@@ -18,12 +15,9 @@ from kiln.errors import BuildCancelled, KilnError, StorageUnavailable
 from kiln.models import TERMINAL, Build, BuildEvent
 from kiln.settings import Settings
 from kiln.spec import parse_spec
+from kiln.states import move_build, move_build_if_unchanged
 
 log = logging.getLogger(__name__)
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 class EventRecorder:
@@ -44,13 +38,24 @@ class EventRecorder:
 
 def _finish(sessions, build_id: str, status: str, **fields) -> None:
     with sessions() as s:
-        row = s.get(Build, build_id)
-        row.status, row.finished_at, row.active_key = status, _now(), None
-        for k, v in fields.items():
-            setattr(row, k, v)
-        s.add(BuildEvent(build_id=build_id, kind="status", data={"status": status, **{
-            k: v for k, v in fields.items() if k in ("digest", "reason", "error")}}))
+        move_build(s, s.get(Build, build_id), status, **fields)
         s.commit()
+
+
+def after_storage_error(sessions, build_id: str, exc: StorageUnavailable, *, last_try: bool) -> str:
+    """The store failed mid-build: back to ``queued`` for the task's retry, or, on its last try, ``failed``
+    with the reason (on every broker: nothing is left queued with no message to run it)."""
+    with sessions() as s:
+        row = s.get(Build, build_id)
+        if row.status != "running":  # the reconciler took it back meanwhile: whoever runs it next decides
+            return row.status
+        if last_try:
+            move_build(s, row, "failed", reason=f"storage unavailable; gave up after {row.attempts} attempts: {exc}",
+                       error=exc.to_dict())
+        else:
+            move_build(s, row, "queued", reason=f"retrying after a storage error: {exc}")
+        s.commit()
+        return row.status
 
 
 def _alive(session: Session, name: str) -> bool:
@@ -61,8 +66,9 @@ def _alive(session: Session, name: str) -> bool:
     return w is not None and is_live(w)
 
 
-def run_build(build_id: str, settings: Settings, worker_name: str) -> str:
-    """Run build ``build_id``; returns its final status. StorageUnavailable propagates (the task retries it)."""
+def run_build(build_id: str, settings: Settings, worker_name: str, *, last_try: bool = False) -> str:
+    """Run build ``build_id``; returns its final status. A StorageUnavailable propagates (the task retries it)
+    unless ``last_try``: then the build fails, naming the storage error."""
     from kiln import db
 
     sessions = db.session_factory(settings.db_url)
@@ -82,15 +88,10 @@ def run_build(build_id: str, settings: Settings, worker_name: str) -> str:
             return "cancelled"
         # Claim it atomically: the update matches only the state we read (attempts is the version), so of two
         # workers handed the same build (a redelivered or re-enqueued message) exactly one proceeds.
-        claimed = s.execute(update(Build).where(Build.id == build_id, Build.status == row.status,
-                                                Build.attempts == row.attempts)
-                            .values(status="running", started_at=_now(), worker=worker_name, reason=None,
-                                    attempts=(row.attempts or 0) + 1)).rowcount
-        if not claimed:
+        if not move_build_if_unchanged(s, row, "running", worker=worker_name):
             s.rollback()
             return "claimed-elsewhere"
         spec_data = row.spec
-        s.add(BuildEvent(build_id=build_id, kind="status", data={"status": "running", "worker": worker_name}))
         s.commit()
 
     def cancelled() -> bool:
@@ -105,10 +106,8 @@ def run_build(build_id: str, settings: Settings, worker_name: str) -> str:
         _finish(sessions, build_id, "cancelled", reason="cancelled at a stage boundary; nothing was published")
         return "cancelled"
     except StorageUnavailable as exc:
-        with sessions() as s:
-            row = s.get(Build, build_id)
-            row.status, row.reason = "queued", f"retrying after a storage error: {exc}"
-            s.commit()
+        if after_storage_error(sessions, build_id, exc, last_try=last_try) == "failed":
+            return "failed"
         raise
     except KilnError as exc:
         _finish(sessions, build_id, "failed", error=exc.to_dict(), reason=exc.code)

@@ -17,6 +17,7 @@ from kiln.keys import build_key
 from kiln.models import Artifact, Build, Worker
 from kiln.settings import Settings
 from kiln.spec import BuildSpec
+from kiln.states import create_build
 from workers.capabilities import queue_name, routing_queues
 from workers.registry import is_live, waiting_reason, workers_for
 
@@ -70,8 +71,8 @@ def submit(settings: Settings, sessions: sessionmaker[Session], spec: BuildSpec,
                   spec=spec.model_dump(), queue=queue, status="queued", stages=[], attempts=0,
                   cancel_requested=False, reason=waiting_reason(workers, queue, spec.backend, spec.target))
     with sessions() as session:
-        session.add(build)
         try:
+            create_build(session, build)
             session.commit()
         except IntegrityError:
             session.rollback()

@@ -9,7 +9,7 @@ from celery.signals import worker_process_init
 
 from kiln.errors import StorageUnavailable
 from kiln.settings import get_settings
-from workers.celery_app import app
+from workers.celery_app import BUILD_TASK_OPTIONS, app, retry_delay_s
 from workers.runner import run_build as run_build_row
 
 
@@ -26,7 +26,11 @@ def worker_name() -> str:
     return os.environ.get("KILN_WORKER_NAME") or f"{socket.gethostname()}-{os.getppid()}"
 
 
-@app.task(name="kiln.run_build", bind=True, acks_late=True, reject_on_worker_lost=True,
-          autoretry_for=(StorageUnavailable,), retry_backoff=5, retry_backoff_max=300, max_retries=5)
+@app.task(name="kiln.run_build", bind=True, **BUILD_TASK_OPTIONS)
 def run_build(self, build_id: str) -> str:
-    return run_build_row(build_id, get_settings(), worker_name())
+    """Retries only a storage error; the last try fails the build instead (``workers.runner.run_build``)."""
+    last_try = self.request.retries >= self.max_retries
+    try:
+        return run_build_row(build_id, get_settings(), worker_name(), last_try=last_try)
+    except StorageUnavailable as exc:
+        raise self.retry(exc=exc, countdown=retry_delay_s(self.request.retries)) from None

@@ -8,9 +8,8 @@ from fastapi import APIRouter, Body, Query, Request
 from sqlalchemy import select
 
 from api.deps import SessionDep
-from builder.publish import move_tag
 from kiln.errors import SpecError
-from kiln.models import Tag
+from kiln.states import move_artifact
 from api.schemas import artifact_read
 from kiln.digests import parse_digest
 from kiln.errors import ArtifactUnknown
@@ -57,8 +56,6 @@ def revoke_artifact(digest: str, session: SessionDep, body: Any = Body(None)):
     row = session.get(Artifact, parse_digest(digest))
     if row is None:
         raise ArtifactUnknown(f"no engine {digest}", field="digest", fix="list engines with GET /v1/artifacts")
-    row.status, row.status_reason = "revoked", reason.strip()[:1000]
-    for tag in session.scalars(select(Tag).where(Tag.repository == row.repository, Tag.digest == row.digest)).all():
-        move_tag(session, row.repository, tag.name, None, reason=f"revoked: {row.status_reason}")
+    move_artifact(session, row, "revoked", reason=reason.strip()[:1000])  # a revoked engine: 409
     session.commit()
     return artifact_read(row)

@@ -16,6 +16,7 @@ from api.schemas import artifact_answer, build_read
 from kiln.errors import ArtifactUnknown, SpecError
 from kiln.models import TERMINAL, Build, BuildEvent
 from kiln.spec import BuildSpec, parse_spec
+from kiln.states import request_cancel
 from workers.registry import waiting_reason
 from workers.submit import submit
 
@@ -109,15 +110,7 @@ def get_build(build_id: str, session: SessionDep):
 def cancel_build(build_id: str, session: SessionDep):
     """Cancel: a queued build stops at once, a running one at its next stage boundary."""
     b = _get(session, build_id)
-    if b.status in TERMINAL:
-        return JSONResponse({"error": {"code": "build_finished", "field": "status",
-                                       "message": f"build {build_id} is already {b.status}",
-                                       "fix": "nothing to cancel"}}, status_code=409)
-    b.cancel_requested = True
-    if b.status == "queued":
-        b.status, b.active_key, b.finished_at = "cancelled", None, datetime.now(timezone.utc)
-        b.reason = "cancelled while queued"
-        session.add(BuildEvent(build_id=b.id, kind="status", data={"status": "cancelled"}))
+    request_cancel(session, b)  # a finished build: 409 invalid_transition
     session.commit()
     return JSONResponse(build_read(b), status_code=202 if b.status == "running" else 200)
 

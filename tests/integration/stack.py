@@ -1,4 +1,5 @@
-"""Real processes for integration tests: a PostgreSQL database of their own, a Redis database index they own,
+"""Real processes for integration tests: a PostgreSQL database of their own, a database of the suite's own
+``redis-server`` (started on a free port by tests/integration/conftest.py; never the shared Redis),
 ``kiln api`` (uvicorn) and ``kiln worker`` (Celery) subprocesses, and HTTP helpers."""
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import httpx
 from tests.conftest import REPO
 
 PG = os.environ.get("KILN_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432")
-REDIS = os.environ.get("KILN_TEST_REDIS", "redis://127.0.0.1:6379")
 
 
 def free_port() -> int:
@@ -47,14 +47,47 @@ def postgres_database():
         admin.dispose()
 
 
-def redis_url() -> str:
-    """A Redis database index of its own (flushed first: the test owns it)."""
-    import redis
+class RedisServer:
+    """A ``redis-server`` of the test session's own, on a free port, without persistence: tests may flush its
+    databases (each takes a new one); nobody else's keys live there."""
 
-    index = 1 + int(uuid.uuid4().int % 14)
-    url = f"{REDIS}/{index}"
-    redis.Redis.from_url(url).flushdb()
-    return url
+    def __init__(self, log: Path):
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=self._log, stderr=subprocess.STDOUT)
+        self._next = iter(range(16))
+        import redis
+
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not start on port {self.port} (see {log})") from None
+                time.sleep(0.05)
+
+    def database(self) -> str:
+        """The URL of a database no earlier test used (16 per server)."""
+        return f"{self.url}/{next(self._next)}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def redis_url(server: RedisServer) -> str:
+    """A Redis database of the suite's own server that no other test uses."""
+    return server.database()
 
 
 class Stack:

@@ -159,15 +159,22 @@ def test_pull_verifies_digests_and_refuses_a_corrupted_blob(home, fp8, tmp_path)
     shown = json.loads(kiln("artifacts", "show", fp8["digest"], home=home, check=True).stdout)
     layer_blobs = [p for p in (home / "store").rglob("*") if p.is_file() and p.stat().st_size > 1_000_000]
     assert layer_blobs, shown
-    for blob in layer_blobs:  # flip one byte in the middle of each large blob (the engine layer)
-        blob.chmod(0o644)
-        data = bytearray(blob.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        blob.write_bytes(bytes(data))
-    bad = tmp_path / "bad"
-    proc = kiln("pull", fp8["digest"], str(bad), home=home)
-    assert proc.returncode == 3 and "corrupted" in proc.stderr, proc.stderr
-    assert not bad.exists()
+    originals = {blob: (blob.read_bytes(), blob.stat().st_mode) for blob in layer_blobs}
+    try:
+        for blob, (data, _) in originals.items():  # flip one byte in the middle of each large blob (the layer)
+            blob.chmod(0o644)
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 0xFF
+            blob.write_bytes(bytes(flipped))
+        bad = tmp_path / "bad"
+        proc = kiln("pull", fp8["digest"], str(bad), home=home)
+        assert proc.returncode == 3 and "corrupted" in proc.stderr, proc.stderr
+        assert not bad.exists()
+    finally:  # the module's store is shared with the other tests: put the bytes back, whatever happened
+        for blob, (data, mode) in originals.items():
+            blob.chmod(0o644)
+            blob.write_bytes(data)
+            blob.chmod(mode)
 
 
 def test_dry_run_prints_the_plan_and_does_no_work(tmp_path):

@@ -18,10 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, redis_server):
     with postgres_database() as db_url:
         home = tmp_path_factory.mktemp("faults") / "kiln"
-        s = Stack(home, {"KILN_DATABASE_URL": db_url, "KILN_BROKER_URL": redis_url(),
+        s = Stack(home, {"KILN_DATABASE_URL": db_url, "KILN_BROKER_URL": redis_url(redis_server),
                          "KILN_HEARTBEAT_S": "1", "KILN_WORKER_LIVE_WINDOW_S": "4"})
         assert s.kiln("db", "upgrade").returncode == 0
         s.db_url = db_url

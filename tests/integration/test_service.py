@@ -6,6 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+import uuid
+from contextlib import contextmanager
 
 import pytest
 import sqlalchemy as sa
@@ -30,22 +32,32 @@ def s3(tmp_path_factory):
         yield {"KILN_STORE_URL": "s3://kiln/engines", "KILN_S3_ENDPOINT_URL": endpoint, **creds}
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, s3):
+@contextmanager
+def service(tmp_path_factory, s3, redis_server, *workers: tuple[str, str]):
+    """A database, API and the given (name, queue) workers of their own, on the module's S3 server."""
     with postgres_database() as db_url:
         home = tmp_path_factory.mktemp("service") / "kiln"
-        s = Stack(home, {"KILN_DATABASE_URL": db_url, "KILN_BROKER_URL": redis_url(), **s3})
-        s.s3 = s3
+        store = {**s3, "KILN_STORE_URL": f"s3://kiln/engines-{uuid.uuid4().hex[:8]}"}
+        s = Stack(home, {"KILN_DATABASE_URL": db_url, "KILN_BROKER_URL": redis_url(redis_server), **store})
+        s.s3 = store
         up = s.kiln("db", "upgrade")
         assert up.returncode == 0, up.stderr
         s.db_url = db_url
         try:
             s.start_api()
-            # the first worker serves only aot-inductor builds: checkpoint builds wait for the second
-            s.start_worker("w-aot", "--queues", "kiln.aot-inductor.cpu")
+            for name, queue in workers:
+                s.start_worker(name, "--queues", queue)
             yield s
         finally:
             s.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, s3, redis_server):
+    """One worker per queue: aot-inductor builds and checkpoint builds run on different workers."""
+    with service(tmp_path_factory, s3, redis_server, ("w-aot", "kiln.aot-inductor.cpu"),
+                 ("w-ckpt", "kiln.checkpoint.cpu")) as s:
+        yield s
 
 
 def test_health(stack):
@@ -56,7 +68,12 @@ def test_health(stack):
     assert w["capabilities"]["toolchains"]["kiln.aot-inductor.cpu"]["torch"].startswith("2.")
 
 
-def test_a_build_no_worker_serves_waits_with_a_reason_then_runs_when_one_starts(stack):
+def test_a_build_no_worker_serves_waits_with_a_reason_then_runs_when_one_starts(tmp_path_factory, s3, redis_server):
+    with service(tmp_path_factory, s3, redis_server) as stack:  # its own: no checkpoint worker until it starts one
+        waits_then_runs(stack)
+
+
+def waits_then_runs(stack):
     r = stack.post("/v1/builds", tiny_spec())
     assert r.status_code == 202
     build = r.json()

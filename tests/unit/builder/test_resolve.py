@@ -371,8 +371,7 @@ def test_s3_object_key_cannot_write_outside_the_cache(s3_client, s3_endpoint, ca
     s3_client.put_object(Bucket="ckpts", Key="models/evil/config.json", Body=b"{}")
     s3_client.put_object(Bucket="ckpts", Key=f"models/evil/{target}", Body=b"pwned")  # models/evil//tmp/...
     assert s3_client.list_objects_v2(Bucket="ckpts", Prefix="models/evil//")["KeyCount"] == 1
-    try:
+    with pytest.raises(CheckpointNotFound) as info:  # refused, naming the key, before anything is written
         resolve("s3://ckpts/models/evil", cache, s3_endpoint_url=s3_endpoint)
-    except Exception:
-        pass
+    assert info.value.field == "checkpoint" and str(target) in info.value.message
     assert not target.exists()

@@ -181,7 +181,30 @@ def test_a_probe_the_kernel_kills_is_an_envelope_that_does_not_fit(monkeypatch, 
         peak_memory(CountingEngine(), prof(), 16, source=("checkpoint", tmp_path))
 
 
+class AllocatingEngine(CountingEngine):
+    """Its forward holds ``extra`` bytes (written, so resident) and frees them before returning."""
+
+    def __init__(self, extra: int):
+        super().__init__()
+        self.extra = extra
+
+    def logits(self, input_ids):
+        held = torch.ones(self.extra // 4, dtype=torch.float32)
+        out = super().logits(input_ids) + float(held[-1]) * 0
+        del held
+        return out
+
+
 def test_peak_memory_in_process_without_a_source():
-    out = peak_memory(CountingEngine(), prof(batch=2, inp=4, seq=8, tokens=16), 16)
-    assert out["peak_memory_bytes"] > 50e6 and "in-process" in out["conditions"]["method"]  # torch alone is more
-    assert out["conditions"]["corner"] == {"batch_size": 2, "seq_len": 8}
+    extra = 256 * 2**20
+    engine = AllocatingEngine(extra)
+    out = peak_memory(engine, prof(batch=2, inp=4, seq=8, tokens=16), 16)
+    c = out["conditions"]
+    assert "in-process" in c["method"] and c["corner"] == {"batch_size": 2, "seq_len": 8}
+    assert engine.shapes == [(2, 8)]  # one forward, at the corner
+    assert out["peak_memory_bytes"] == c["process_peak_bytes"]
+    if c["hwm_reset"]:  # the peak is the forward's: what the process held before plus what the forward held
+        assert out["peak_memory_bytes"] >= c["rss_before_bytes"] + 0.9 * extra
+        assert out["peak_memory_bytes"] < c["rss_before_bytes"] + 2 * extra
+    else:
+        assert out["peak_memory_bytes"] >= 0.9 * extra

@@ -148,7 +148,10 @@ def test_no_recheck_when_the_drop_is_inside_the_threshold():
     def boom(b, s):
         raise AssertionError("no re-measurement needed")
 
-    regression(metrics(tps=(100.0, 190.0)), COND, previous(), {}, remeasure=boom)
+    record, verdicts = regression(metrics(tps=(100.0, 190.0)), COND, previous(), {}, remeasure=boom)
+    v = by_name(verdicts)["max_throughput_drop_pct"]  # judged, from the first measurement, and passed
+    assert v["value"] == pytest.approx(5.0) and v["passed"] is True
+    assert record["throughput_drop_pct"] == pytest.approx(5.0) and not record["throughput"].get("rechecked")
 
 
 @pytest.mark.parametrize("key, other", [("threads", 16), ("cpus", 64), ("device", "cuda:0"), ("cpu_model", "Xeon")])

@@ -1,19 +1,27 @@
 """Resolution never returns a stale, revoked, rejected or incompatible engine — over random sequences of
-builds, ref moves, revokes and resolves (hypothesis), on a real SQLite database with the real migrations."""
+builds published by the real ``builder.publish.publish`` (one of them racing a head move), head moves through
+``workers.freshness``, revokes through the real ``POST /v1/artifacts/{digest}/revoke`` route, and resolves
+(hypothesis), on a real SQLite database with the real migrations and a real local blob store."""
 
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from sqlalchemy import event
 
-from builder.publish import is_stale_now, move_tag
+from api.app import create_app
+from builder.publish import publish as real_publish
 from kiln import db
 from kiln.errors import SpecError
 from kiln.models import Artifact, Tag, TrackedModel, utcnow
+from kiln.settings import Settings
+from kiln.spec import parse_spec
 from workers.freshness import mark_stale
 from workers.resolution import parse_runtime, resolve_engine
 
@@ -23,35 +31,69 @@ RUNTIMES = ["tensorrt_llm=1.2.1", "tensorrt_llm=1.2.0", None]
 counter = itertools.count()
 
 
-def sessions_for(tmp_path):
-    url = f"sqlite:///{tmp_path / f'r{next(counter)}.db'}"
-    db.upgrade(url)
-    return db.session_factory(url)
+def rev(n: int) -> str:
+    return f"{n:040x}"
 
 
-def add_artifact(s, *, revision: str, slot, trtllm: str, passed: bool = True) -> Artifact:
-    """Insert an engine row the way publish does (fresh unless rejected or already stale; tag moves)."""
-    n = next(counter)
-    precision, profile, target, backend = slot
-    a = Artifact(digest=f"sha256:{n:064x}", build_key=f"sha256:{n + 10**6:064x}", repository=MODEL,
-                 tag=f"{precision}-{target}-{profile}", status="fresh" if passed else "rejected",
-                 precision=precision, target=target, profile=profile, backend=backend, checkpoint_ref="hf://acme/tiny",
-                 checkpoint_digest=f"sha256:{n:064x}", checkpoint_revision=revision, size=1,
-                 provenance={"toolchain": {"tensorrt_llm": trtllm}}, validation={"passed": passed}, created_at=utcnow())
-    if passed and is_stale_now(s, MODEL, revision):
-        a.status = "stale"
-    s.add(a)
-    if a.status == "fresh":
-        move_tag(s, MODEL, a.tag, a.digest, reason="test publish")
-    s.commit()
-    return a
+class Index:
+    """A real app (its index, store and routes) in a temporary home."""
+
+    def __init__(self, tmp_path):
+        self.tmp = tmp_path / f"r{next(counter)}"
+        self.settings = Settings(home=self.tmp / "home")
+        db.upgrade(self.settings.db_url)
+        self.app = create_app(self.settings, enqueue=lambda *a: None)
+        self.sessions, self.store = self.app.state.sessions, self.app.state.store
+        self.client = TestClient(self.app)
+
+    def publish(self, *, revision: str, slot, trtllm: str, passed: bool = True) -> Artifact:
+        n = next(counter)
+        precision, profile, target, backend = slot
+        spec = parse_spec({"checkpoint": f"hf://acme/tiny@{revision}", "model_name": MODEL, "precision": precision,
+                           "profile": profile, "target": target, "backend": backend}, [])
+        root = self.tmp / f"engine{n}"
+        root.mkdir(parents=True)
+        (root / "config.json").write_text(json.dumps({"n": n}))
+        provenance = {"created": "2026-01-01T00:00:00Z", "toolchain": {"tensorrt_llm": trtllm},
+                      "checkpoint": {"ref": spec.checkpoint, "digest": f"sha256:{n:064x}", "revision": revision}}
+        return real_publish(self.store, self.sessions, root, spec=spec, build_key=f"sha256:{n + 10**6:064x}",
+                            provenance=provenance, validation={"passed": passed})
+
+    def move_head(self, head: str) -> None:
+        with self.sessions() as s:
+            m = s.get(TrackedModel, MODEL)
+            m.head_sha = head
+            mark_stale(s, m)
+            s.commit()
+
+    def publish_racing_head_move(self, *, revision: str, new_head: str, slot, trtllm: str) -> Artifact:
+        """Publish while another connection moves the head: it commits after publish has read the head (as
+        fresh) and just before publish writes its row — the interleaving two processes can produce."""
+        engine = db.get_engine(self.settings.db_url)
+        fired = []
+
+        def move_now(conn, cursor, statement, *_):
+            if not fired and statement.lstrip().upper().startswith("INSERT INTO ARTIFACTS"):
+                fired.append(True)
+                self.move_head(new_head)
+
+        event.listen(engine, "before_cursor_execute", move_now)
+        try:
+            return self.publish(revision=revision, slot=slot, trtllm=trtllm)
+        finally:
+            event.remove(engine, "before_cursor_execute", move_now)
+            assert fired, "the head move did not run inside publish"
+
+    def revoke(self, digest: str, reason: str = "withdrawn"):
+        return self.client.post(f"/v1/artifacts/{digest}/revoke", json={"reason": reason})
 
 
 class Registry(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.sessions = sessions_for(self._tmp)
-        self.heads = ["rev0"]
+        self.index = Index(self._tmp)
+        self.sessions = self.index.sessions
+        self.heads = [rev(0)]
 
     _tmp = None
 
@@ -59,36 +101,35 @@ class Registry(RuleBasedStateMachine):
     def track(self):
         with self.sessions() as s:
             s.add(TrackedModel(name=MODEL, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
-                               head_sha="rev0", matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
+                               head_sha=rev(0), matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
             s.commit()
 
     @rule(slot=st.sampled_from(SLOTS), old=st.booleans(), trtllm=st.sampled_from(["1.2.1", "1.2.0"]),
           passed=st.booleans())
     def publish(self, slot, old, trtllm, passed):
         revision = self.heads[0] if (old and len(self.heads) > 1) else self.heads[-1]
-        with self.sessions() as s:
-            add_artifact(s, revision=revision, slot=slot, trtllm=trtllm, passed=passed)
+        self.index.publish(revision=revision, slot=slot, trtllm=trtllm, passed=passed)
+
+    @rule(slot=st.sampled_from(SLOTS), trtllm=st.sampled_from(["1.2.1", "1.2.0"]))
+    def publish_while_the_head_moves(self, slot, trtllm):
+        self.heads.append(rev(len(self.heads)))
+        self.index.publish_racing_head_move(revision=self.heads[-2], new_head=self.heads[-1], slot=slot,
+                                            trtllm=trtllm)
 
     @rule()
     def move_head(self):
-        self.heads.append(f"rev{len(self.heads)}")
-        with self.sessions() as s:
-            m = s.get(TrackedModel, MODEL)
-            m.head_sha = self.heads[-1]
-            mark_stale(s, m)
-            s.commit()
+        self.heads.append(rev(len(self.heads)))
+        self.index.move_head(self.heads[-1])
 
     @rule(data=st.data())
     def revoke(self, data):
         with self.sessions() as s:
-            rows = s.query(Artifact).all()
-            if not rows:
-                return
-            a = data.draw(st.sampled_from(rows))
-            a.status = "revoked"
-            for t in s.query(Tag).filter(Tag.digest == a.digest).all():
-                move_tag(s, MODEL, t.name, None, reason="revoked")
-            s.commit()
+            rows = [(a.digest, a.status) for a in s.query(Artifact).all()]
+        if not rows:
+            return
+        digest, status = data.draw(st.sampled_from(rows))
+        r = self.index.revoke(digest)
+        assert r.status_code == (409 if status == "revoked" else 200), r.text
 
     @rule(slot=st.sampled_from(SLOTS), runtime=st.sampled_from(RUNTIMES))
     def resolve(self, slot, runtime):
@@ -118,6 +159,14 @@ class Registry(RuleBasedStateMachine):
                 a = s.get(Artifact, t.digest)
                 assert a.status == "fresh" and (head is None or a.checkpoint_revision == head)
 
+    @invariant()
+    def no_fresh_engine_of_an_old_head(self):
+        with self.sessions() as s:
+            head = s.get(TrackedModel, MODEL).head_sha if s.get(TrackedModel, MODEL) else None
+            if head is not None:
+                assert not s.query(Artifact).filter(Artifact.status == "fresh",
+                                                    Artifact.checkpoint_revision != head).all()
+
 
 @pytest.fixture
 def machine(tmp_path):
@@ -140,27 +189,40 @@ def test_runtime_parsing():
 
 
 def test_resolve_reasons(tmp_path):
-    sessions = sessions_for(tmp_path)
-    slot = SLOTS[0]
+    index = Index(tmp_path)
+    sessions, slot = index.sessions, SLOTS[0]
     with sessions() as s:
         r = resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="cpu", backend="aot-inductor")
         assert (r.status, r.code) == (404, "not_built")
         s.add(TrackedModel(name=MODEL, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
-                           head_sha="a", matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
+                           head_sha=rev(1), matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
         s.commit()
-        add_artifact(s, revision="a", slot=slot, trtllm="1.2.1")
+    index.publish(revision=rev(1), slot=slot, trtllm="1.2.1")
+    with sessions() as s:
         ok = resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="cpu", backend="aot-inductor")
         assert ok.status == 200
         bad = resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="cpu", backend="aot-inductor",
                              runtime="tensorrt_llm=9.9")
         assert (bad.status, bad.code) == (409, "incompatible_runtime") and "9.9" in bad.reason
-        m = s.get(TrackedModel, MODEL)
-        m.head_sha = "b"
-        mark_stale(s, m)
-        s.commit()
+    index.move_head(rev(2))
+    with sessions() as s:
         stale = resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="cpu", backend="aot-inductor")
-        assert (stale.status, stale.code) == (409, "stale_only") and "b" in stale.reason
+        assert (stale.status, stale.code) == (409, "stale_only") and rev(2) in stale.reason
         assert s.query(Tag).count() == 0
         with pytest.raises(SpecError) as e:
             resolve_engine(s, model=MODEL, precision="int8", profile="latency", target="cpu", backend="aot-inductor")
         assert e.value.field == "precision"
+
+
+def test_an_engine_published_while_the_head_moves_is_stale_and_untagged(tmp_path):
+    index = Index(tmp_path)
+    with index.sessions() as s:
+        s.add(TrackedModel(name=MODEL, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
+                           head_sha=rev(1), matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
+        s.commit()
+    a = index.publish_racing_head_move(revision=rev(1), new_head=rev(2), slot=SLOTS[0], trtllm="1.2.1")
+    with index.sessions() as s:
+        assert s.get(Artifact, a.digest).status == "stale"
+        assert s.query(Tag).count() == 0
+        r = resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="cpu", backend="aot-inductor")
+        assert r.artifact is None and r.code == "stale_only"

@@ -1,0 +1,192 @@
+"""Tokens and their checks over a real app and SQLite index: what a refused request is answered (the body a
+client reads, on /v1 and on /v2), how tokens are sent, created, listed and revoked, which scopes imply which,
+anonymous reads, the body size limit."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.auth import bearer_or_basic, required_scope, token_hash
+from kiln import db
+from kiln.models import ApiToken
+from kiln.settings import Settings
+
+BOOT = "kiln_bootstrap_for_auth_tests_0123456789abcdef"
+WWW = 'Basic realm="kiln", Bearer realm="kiln"'
+
+
+def app_for(tmp_path, **settings):
+    s = Settings(home=tmp_path / "home", **settings)
+    db.upgrade(s.db_url)
+    return TestClient(create_app(s, enqueue=lambda *a: None))
+
+
+@pytest.fixture
+def client(tmp_path):
+    return app_for(tmp_path, auth="required", bootstrap_token=BOOT)
+
+
+def bearer(token):
+    return {"Authorization": f"Bearer {token}"}
+
+
+def make_token(client, *scopes, name="t"):
+    r = client.post("/v1/tokens", json={"name": name, "scopes": list(scopes)}, headers=bearer(BOOT))
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_a_missing_token_is_401_with_the_challenge_and_the_fix(client):
+    r = client.get("/v1/artifacts")
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == WWW
+    assert r.json() == {"error": {"code": "unauthorized", "field": "Authorization", "message": "a token is required",
+                                  "fix": "send Authorization: Bearer <token>"}}
+    v2 = client.get("/v2/")
+    assert v2.status_code == 401 and v2.headers["WWW-Authenticate"] == WWW
+    assert v2.json() == {"errors": [{"code": "UNAUTHORIZED", "message": "a token is required",
+                                     "detail": "send Authorization: Bearer <token>"}]}
+
+
+def test_an_unknown_token_is_401(client):
+    r = client.get("/v1/artifacts", headers=bearer("kiln_nope"))
+    assert r.status_code == 401 and r.json()["error"] == {
+        "code": "unauthorized", "field": "Authorization", "message": "unknown or revoked token",
+        "fix": "ask an admin for a token"}
+
+
+def test_a_token_without_the_scope_is_403_naming_it(client):
+    read = make_token(client, "artifacts:read")["token"]
+    r = client.post("/v1/builds", json={}, headers=bearer(read))
+    assert r.status_code == 403 and "WWW-Authenticate" not in r.headers
+    assert r.json() == {"error": {"code": "forbidden", "field": "Authorization",
+                                  "message": "this token lacks the builds:write scope",
+                                  "fix": "use a token with builds:write (it has artifacts:read)"}}
+    v2 = client.delete("/v2/acme/tiny/manifests/latest", headers=bearer(read))
+    assert v2.status_code == 403 and v2.json()["errors"][0]["code"] == "DENIED"
+
+
+def test_scopes_imply_reading_and_admin_implies_all(client):
+    write = make_token(client, "builds:write")["token"]
+    assert client.get("/v1/artifacts", headers=bearer(write)).status_code == 200
+    assert client.get("/v1/tokens", headers=bearer(write)).status_code == 403
+    admin = make_token(client, "admin")["token"]
+    assert client.get("/v1/tokens", headers=bearer(admin)).status_code == 200
+    assert client.post("/v1/builds", json={}, headers=bearer(admin)).status_code == 422  # past auth
+
+
+def test_tokens_are_stored_hashed_listed_without_secrets_and_revoked(client, tmp_path):
+    made = make_token(client, "artifacts:read", "artifacts:read", name="  ci  ")
+    assert made["token"].startswith("kiln_") and made["scopes"] == ["artifacts:read"] and made["name"] == "ci"
+    assert made["revoked"] is False and made["created_at"]
+    sessions = client.app.state.sessions
+    with sessions() as s:
+        row = s.get(ApiToken, made["id"])
+        assert row.token_sha256 == token_hash(made["token"]) and made["token"] not in str(row.__dict__)
+    listed = client.get("/v1/tokens", headers=bearer(BOOT)).json()["tokens"]
+    assert {t["name"] for t in listed} == {"bootstrap", "ci"} and all("token" not in t for t in listed)
+    assert client.get("/v1/artifacts", headers=bearer(made["token"])).status_code == 200
+    gone = client.delete(f"/v1/tokens/{made['id']}", headers=bearer(BOOT))
+    assert gone.status_code == 200 and gone.json()["revoked"] is True
+    assert client.get("/v1/artifacts", headers=bearer(made["token"])).status_code == 401
+    again = client.delete(f"/v1/tokens/{made['id']}", headers=bearer(BOOT)).json()
+    assert again["revoked"] is True
+    missing = client.delete("/v1/tokens/nope", headers=bearer(BOOT))
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "token_unknown"
+
+
+@pytest.mark.parametrize("body,field", [(None, "name"), ({"name": " "}, "name"), ({"name": "x"}, "scopes"),
+                                        ({"name": "x", "scopes": []}, "scopes"),
+                                        ({"name": "x", "scopes": ["root"]}, "scopes"),
+                                        ({"name": "x", "scopes": "admin"}, "scopes")])
+def test_bad_token_requests_name_the_field(client, body, field):
+    r = client.post("/v1/tokens", json=body, headers=bearer(BOOT))
+    assert r.status_code == 422 and r.json()["error"]["field"] == field and r.json()["error"]["fix"]
+
+
+def test_the_bootstrap_token_is_created_once(tmp_path):
+    app_for(tmp_path, auth="required", bootstrap_token=BOOT)
+    client = app_for(tmp_path, auth="required", bootstrap_token=BOOT)
+    with client.app.state.sessions() as s:
+        rows = s.query(ApiToken).all()
+    assert [(r.name, r.scopes) for r in rows] == [("bootstrap", ["admin"])]
+
+
+def test_basic_auth_carries_the_token_as_password(client):
+    basic = base64.b64encode(f"anyone:{BOOT}".encode()).decode()
+    assert client.get("/v2/", headers={"Authorization": f"Basic {basic}"}).status_code == 200
+    assert bearer_or_basic(f"Bearer  {BOOT} ") == BOOT and bearer_or_basic(f"bearer {BOOT}") == BOOT
+    assert bearer_or_basic(f"basic {basic}") == BOOT
+    assert bearer_or_basic("Bearer ") is None and bearer_or_basic(None) is None and bearer_or_basic("") is None
+    assert bearer_or_basic("Basic !!!") is None and bearer_or_basic("Token x") is None
+    assert bearer_or_basic("Basic " + base64.b64encode(b"user-only").decode()) is None
+
+
+def test_open_paths_and_anonymous_reads(tmp_path):
+    anon = app_for(tmp_path, auth="required", bootstrap_token=BOOT, anonymous_read=True)
+    assert anon.get("/v1/artifacts").status_code == 200
+    assert anon.post("/v1/builds", json={}).status_code == 401
+    assert anon.get("/static/dashboard.css").status_code == 200
+    assert required_scope("GET", "/static/dashboard.js") is None and required_scope("GET", "/") is None
+    assert required_scope("GET", "/v1/fit") == "artifacts:read" and required_scope("POST", "/v1/fit") == "artifacts:read"
+    assert required_scope("OPTIONS", "/v1/builds") == "artifacts:read"
+    assert required_scope("POST", "/v1/tokens/x") == "admin" and required_scope("GET", "/v1/tokensx") == "admin"
+
+
+def test_static_files_are_open_when_auth_is_required(client):
+    assert client.get("/static/dashboard.css").status_code == 200
+    assert client.get("/static/nope.css").status_code == 404
+
+
+def test_without_auth_nothing_is_checked_but_the_body_limit(tmp_path):
+    open_app = app_for(tmp_path, max_body_bytes=100)
+    assert open_app.get("/v1/tokens").status_code == 200
+    big = open_app.post("/v1/builds", content=b"x" * 101, headers={"Content-Type": "application/json"})
+    assert big.status_code == 413 and big.json() == {"error": {"code": "too_large", "field": "body",
+                                                              "message": "body over 100 bytes",
+                                                              "fix": "send a smaller request"}}
+    assert open_app.post("/v1/builds", content=b"x" * 100).status_code == 422
+
+
+def test_a_database_error_while_checking_a_token_is_503_naming_it(client):
+    from sqlalchemy import text
+
+    with client.app.state.sessions() as s:  # the token table is gone: every lookup fails in the driver
+        s.execute(text("DROP TABLE api_tokens"))
+        s.commit()
+    r = client.get("/v1/artifacts", headers=bearer(BOOT))
+    assert r.status_code == 503 and r.json() == {"error": {
+        "code": "database_unavailable", "field": "database", "message": "the database is unreachable (OperationalError)",
+        "fix": "retry shortly; Kiln reconnects by itself"}}
+
+
+def test_a_token_with_a_scope_this_version_does_not_know_keeps_the_others(client):
+    import uuid
+
+    from kiln.models import utcnow
+
+    with client.app.state.sessions() as s:  # e.g. written by a newer version
+        s.add(ApiToken(id=uuid.uuid4().hex, name="old", token_sha256=token_hash("kiln_legacy"),
+                       scopes=["models:write", "artifacts:read"], created_at=utcnow()))
+        s.commit()
+    assert client.get("/v1/artifacts", headers=bearer("kiln_legacy")).status_code == 200
+    r = client.post("/v1/builds", json={}, headers=bearer("kiln_legacy"))
+    assert r.status_code == 403 and "models:write, artifacts:read" in r.json()["error"]["fix"]
+
+
+def test_head_requests_need_only_the_read_scope(client):
+    read = make_token(client, "artifacts:read")["token"]
+    assert client.head("/v1/artifacts", headers=bearer(read)).status_code == 405  # past auth; no HEAD route
+    assert client.head("/v2/", headers=bearer(read)).status_code == 200
+    assert client.head("/v1/artifacts").status_code == 401
+
+
+def test_lifespan_events_pass_through_the_middleware(tmp_path):
+    s = Settings(home=tmp_path / "home", auth="required", bootstrap_token=BOOT)
+    db.upgrade(s.db_url)
+    with TestClient(create_app(s, enqueue=lambda *a: None)) as client:  # startup and shutdown go through it
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/v1/artifacts", headers=bearer(BOOT)).status_code == 200

@@ -1,0 +1,128 @@
+"""GC retention over engines published by the real publish into a real local store and SQLite index: what is
+kept (tagged, fresh, the newest ``keep`` of a slot, young ones, blobs any kept manifest reaches) and what goes."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from artifacts.factory import open_store
+from artifacts.oci import read_manifest
+from builder.gc import plan_gc, run_gc
+from builder.publish import publish
+from kiln import db
+from kiln.models import Artifact, Build, Referrer
+from kiln.settings import Settings
+from kiln.spec import parse_spec
+from kiln.states import create_build, move_artifact
+
+N = iter(range(10**6))
+
+
+@pytest.fixture
+def env(tmp_path):
+    settings = Settings(home=tmp_path / "home")
+    db.upgrade(settings.db_url)
+    return open_store(settings.store), db.session_factory(settings.db_url), tmp_path
+
+
+def engine(env, *, passed=True, profile="latency") -> Artifact:
+    store, sessions, tmp = env
+    n = next(N)
+    root = tmp / f"e{n}"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"n": n}))
+    (root / "rank0.bin").write_bytes(str(n).encode() * 500)
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "model_name": "acme/tiny", "precision": "fp8",
+                       "profile": profile, "backend": "checkpoint"}, [])
+    prov = {"created": "2026-01-01T00:00:00Z", "toolchain": {}, "checkpoint": {"ref": spec.checkpoint,
+            "digest": "sha256:" + "c" * 64, "revision": "a" * 40}}
+    return publish(store, sessions, root, spec=spec, build_key=f"sha256:{n:064x}", provenance=prov,
+                   validation={"passed": passed})
+
+
+def age(sessions, digest, days):
+    with sessions() as s:
+        a = s.get(Artifact, digest)
+        a.created_at = a.created_at - timedelta(days=days)
+        s.commit()
+
+
+def stale(sessions, digest):
+    with sessions() as s:
+        move_artifact(s, s.get(Artifact, digest), "stale", reason="head moved")
+        s.commit()
+
+
+def blobs_of(store, digest) -> set[str]:
+    m = read_manifest(store, digest)
+    return {digest, m["config"]["digest"], *(layer["digest"] for layer in m["layers"])}
+
+
+def test_keeps_fresh_tagged_young_and_the_newest_of_a_slot(env):
+    store, sessions, _ = env
+    old = [engine(env) for _ in range(4)]  # the last one published holds the tag
+    for i, a in enumerate(old):
+        age(sessions, a.digest, 30 - i)
+    for a in old[:3]:
+        stale(sessions, a.digest)
+    rejected_young = engine(env, passed=False)
+    plan = plan_gc(sessions(), store, keep=2, older_than=timedelta(days=7))
+    # slot order, newest first: young rejected, old[3] (fresh, tagged) are the two kept; old[2..0] are stale
+    assert set(plan.artifacts) == {old[2].digest, old[1].digest, old[0].digest}
+    assert plan.deferred is None
+    with sessions() as s:
+        refs = [r for r in s.query(Referrer) if r.subject in plan.artifacts]
+    assert set(plan.referrers) == {r.digest for r in refs} and {r.subject for r in refs} == set(plan.artifacts)
+    kept = blobs_of(store, old[3].digest) | blobs_of(store, rejected_young.digest)
+    assert not kept & set(plan.blobs)
+    assert blobs_of(store, old[0].digest) <= set(plan.blobs) and plan.bytes == sum(store.stat(d).size for d in plan.blobs)
+    assert plan.to_dict()["artifacts"] == plan.artifacts
+
+
+def test_nothing_goes_while_young_or_within_keep(env):
+    store, sessions, _ = env
+    a, b = engine(env), engine(env)
+    stale(sessions, a.digest)
+    assert plan_gc(sessions(), store, keep=2).artifacts == []  # within keep
+    age(sessions, a.digest, 1)
+    assert plan_gc(sessions(), store, keep=1, older_than=timedelta(days=7)).artifacts == []  # young
+    age(sessions, a.digest, 30)
+    assert plan_gc(sessions(), store, keep=1, older_than=timedelta(days=7)).artifacts == [a.digest]
+    age(sessions, b.digest, 30)
+    assert plan_gc(sessions(), store, keep=0, older_than=timedelta(days=7)).artifacts == [a.digest]  # b is fresh
+
+
+def test_run_gc_deletes_rows_then_blobs_and_dry_run_deletes_nothing(env):
+    store, sessions, _ = env
+    a, b = engine(env), engine(env)
+    stale(sessions, a.digest)
+    age(sessions, a.digest, 30)
+    before = set(store.list_digests())
+    dry = run_gc(sessions, store, dry_run=True, keep=1)
+    assert dry.artifacts == [a.digest] and set(store.list_digests()) == before
+    done = run_gc(sessions, store, dry_run=False, keep=1)
+    assert done.blobs == dry.blobs and done.blobs
+    with sessions() as s:
+        assert s.get(Artifact, a.digest) is None and s.get(Artifact, b.digest) is not None
+        assert not [r for r in s.query(Referrer) if r.subject == a.digest]
+    assert set(store.list_digests()) == before - set(done.blobs)
+    assert blobs_of(store, b.digest) <= set(store.list_digests())
+
+
+def test_blob_sweep_waits_for_active_builds(env):
+    store, sessions, _ = env
+    a = engine(env)
+    engine(env)
+    stale(sessions, a.digest)
+    age(sessions, a.digest, 30)
+    with sessions() as s:
+        create_build(s, Build(id="b" * 32, request_key="sha256:" + "d" * 64, active_key="sha256:" + "d" * 64,
+                              spec={}, queue="q", status="queued", stages=[], attempts=0, cancel_requested=False))
+        s.commit()
+    plan = run_gc(sessions, store, dry_run=False, keep=1)
+    assert plan.artifacts == [a.digest] and plan.blobs == [] and "b" * 32 in plan.deferred
+    assert blobs_of(store, a.digest) <= set(store.list_digests())  # the row went; its blobs wait
