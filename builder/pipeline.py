@@ -22,7 +22,7 @@ from builder import quantize as quantize_stage
 from builder.backends import get_backend
 from builder.leases import BlobLeases, LeasedStore
 from builder.publish import publish, tag_for
-from builder.resolve import ResolvedCheckpoint, read_model_config, resolve_checkpoint
+from builder.resolve import ResolvedCheckpoint, identify_checkpoint, materialize_checkpoint
 from builder.stagecache import StageCache
 from kiln.datasets import load_text
 from kiln.errors import BuildCancelled, KilnError
@@ -98,9 +98,9 @@ class Builder:
             get_backend(spec.backend).check_environment(spec)
         self.on_event("stage", {"name": "resolve", "state": "started"})
         t = time.perf_counter()
-        resolved, was_cached = resolve_checkpoint(spec.checkpoint, cache_root=self.settings.cache_dir / "resolve",
-                                                  s3_endpoint_url=self.settings.s3_endpoint_url)
-        config = read_model_config(resolved)
+        # identify only (no weights downloaded): the API runs this too; build() materializes on the worker
+        resolved, was_cached = identify_checkpoint(spec.checkpoint, **self._checkpoint_args())
+        config = resolved.config
         check_model(spec, config)
         roots = self.settings.roots
         calib_text, calib_digest = load_text(spec.calibration.dataset, field="calibration.dataset", roots=roots)
@@ -158,6 +158,7 @@ class Builder:
 
         backend = get_backend(spec.backend)
         self._check_cancel()
+        p.resolved = materialize_checkpoint(p.resolved, **self._checkpoint_args())  # the download, bounded
         qdir, rec = self._stage("quantize", lambda: self.stage_cache.get(
             "quantize", p.quantize_key,
             lambda out: quantize_stage.quantize(p.resolved.local_dir, spec, p.calib_text, out)), stages)
@@ -189,6 +190,11 @@ class Builder:
         return self._outcome(p.build_key, row, stages, cache_hit=False)
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _checkpoint_args(self) -> dict:
+        s = self.settings
+        return {"cache_root": s.cache_dir / "resolve", "s3_endpoint_url": s.s3_endpoint_url, "buckets": s.buckets,
+                "max_bytes": s.checkpoint_max_bytes}
+
     def _stage(self, name: str, fn: Callable[[], tuple], stages: list[StageRecord]):
         self.on_event("stage", {"name": name, "state": "started"})
         t = time.perf_counter()

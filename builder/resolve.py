@@ -1,10 +1,20 @@
-"""Stage 1, resolve: turn a checkpoint reference into immutable content.
+"""Stage 1, resolve: turn a checkpoint reference into immutable content, in two steps.
+
+**Identify** (cheap; the API runs it for ``POST /v1/builds`` and the webhook, workers run it again):
 
 - a local directory or ``file://`` URL → sha256 over its file manifest (relative path, size, sha256 of bytes);
-- ``hf://org/name@revision`` → the commit sha through huggingface_hub (honouring ``HF_HUB_OFFLINE`` and the
-  local Hub cache); the digest is derived from repo and commit, never from a branch name;
-- ``s3://bucket/prefix`` → the objects downloaded once under ``KILN_HOME/checkpoints/s3`` and hashed like a
-  local directory.
+- ``hf://org/name@revision`` → the commit sha from the Hub's metadata (``HfApi().model_info``; offline, the local
+  Hub cache's refs) and only ``config.json``; the digest is derived from repo and commit, never a branch name;
+- ``s3://bucket/prefix`` (allowed buckets only) → its listing (relative keys, sizes, ETags) hashed, and only
+  ``config.json`` fetched. An ETag names one stored version of an object's bytes (S3 changes it whenever the
+  object is written), so the listing is the content's identity; the download is checked against it.
+
+Identify returns the parsed ``config.json`` (family and size rules are checked from it before anything is
+enqueued) and never downloads weights.
+
+**Materialize** (workers only): the identified content on local disk, bounded by the configured maximum
+checkpoint size: a Hub snapshot of exactly the identified commit, or the S3 objects fetched with ``If-Match``
+their identified ETag into ``<cache>/s3/<digest>``.
 """
 
 from __future__ import annotations
@@ -13,13 +23,19 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
 from kiln.digests import sha256_file, sha256_json
-from kiln.errors import CheckpointNotFound, StorageUnavailable
+from kiln.errors import CheckpointNotFound, SpecError, StorageUnavailable
+from kiln.refs import COMMIT_RE, parse_hf_ref
 from kiln.spec import local_path
+
+#: config.json is read whole (it is small); anything bigger is not a model config.
+MAX_CONFIG_BYTES = 16 << 20
+#: The most objects an s3:// checkpoint may hold (the listing is read in the API process).
+MAX_S3_OBJECTS = 10_000
 
 
 @dataclass(frozen=True)
@@ -27,9 +43,11 @@ class ResolvedCheckpoint:
     ref: str
     kind: str  # local | hf | s3
     digest: str  # content digest: the only way a checkpoint enters a key
-    local_dir: Path
+    local_dir: Path | None  # a local directory at once; hf / s3 only once materialized (on a worker)
     revision: str | None = None  # the Hub commit sha for hf://
     files: list[dict] = field(default_factory=list)
+    config: dict = field(default_factory=dict, compare=False)  # the parsed config.json
+    size: int | None = None  # total bytes, where the metadata says so
 
     def provenance(self) -> dict:
         return {"ref": self.ref, "kind": self.kind, "digest": self.digest, "revision": self.revision,
@@ -77,22 +95,43 @@ def stat_entries(directory: Path) -> list[list]:
     return entries
 
 
+def parse_config(data: bytes, where: str) -> dict:
+    if len(data) > MAX_CONFIG_BYTES:
+        raise CheckpointNotFound(f"{where}: config.json is over {MAX_CONFIG_BYTES} bytes", field="checkpoint",
+                                 fix="point at a Hugging Face format checkpoint (config.json is a small JSON object)")
+    try:
+        config = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        config = None
+    if not isinstance(config, dict):
+        raise CheckpointNotFound(f"{where}: config.json is not a JSON object", field="checkpoint",
+                                 fix="point at a Hugging Face format checkpoint directory")
+    return config
+
+
+def _read_config_file(path: Path, where: str) -> dict:
+    with open(path, "rb") as f:
+        return parse_config(f.read(MAX_CONFIG_BYTES + 1), where)
+
+
 #: fingerprint → (digest, manifest), in front of the memo files: the service resolves the same folder on every
 #: request for it, and re-reading and re-hashing its manifest would cost more than the fingerprint.
 _MEMO: dict[str, tuple[str, list[dict]]] = {}
 
 
-def _resolve_local(ref: str, cache_root: Path) -> tuple[ResolvedCheckpoint, bool]:
+def _identify_local(ref: str, cache_root: Path) -> tuple[ResolvedCheckpoint, bool]:
     path = local_path(ref)
     if not path.is_dir():
-        raise CheckpointNotFound(f"{path} is not a directory", field="checkpoint",
+        raise CheckpointNotFound(f"{path.name or path} is not a directory", field="checkpoint",
                                  fix="give a directory holding config.json and *.safetensors")
     if not (path / "config.json").is_file():
-        raise CheckpointNotFound(f"{path} has no config.json", field="checkpoint",
+        raise CheckpointNotFound(f"{path.name} has no config.json", field="checkpoint",
                                  fix="point at a Hugging Face format checkpoint directory")
+    config = _read_config_file(path / "config.json", path.name)
     fingerprint = _fingerprint(path).split(":")[1]
     if (known := _MEMO.get(fingerprint)) is not None:
-        return ResolvedCheckpoint(ref, "local", known[0], path, None, known[1]), True
+        return ResolvedCheckpoint(ref, "local", known[0], path, None, known[1], config,
+                                  sum(f["size"] for f in known[1])), True
     memo = cache_root / "local" / (fingerprint + ".json")
     was_cached = memo.is_file()
     if was_cached:
@@ -107,104 +146,261 @@ def _resolve_local(ref: str, cache_root: Path) -> tuple[ResolvedCheckpoint, bool
     if len(_MEMO) >= 256:
         _MEMO.clear()
     _MEMO[fingerprint] = (digest, files)
-    return ResolvedCheckpoint(ref, "local", digest, path, None, files), was_cached
+    return ResolvedCheckpoint(ref, "local", digest, path, None, files, config, sum(f["size"] for f in files)), was_cached
 
 
-def _resolve_hf(ref: str) -> ResolvedCheckpoint:
-    from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import (
-        HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
-    )
+# -- hf:// -------------------------------------------------------------------------------------------
+def _offline() -> bool:
+    from huggingface_hub import constants
 
-    repo, _, revision = ref[len("hf://"):].partition("@")
-    revision = revision or "main"
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).resolve()
+
+
+def _inside_hub_cache(path: Path, repo: str, revision: str) -> Path:
+    """``path`` (in a snapshot folder) must lie inside the Hub cache, its folder named by a commit sha."""
+    cache = _hub_cache()
+    snapshot = path.parent if path.name == "config.json" else path
+    if not (COMMIT_RE.fullmatch(snapshot.name) and snapshot.resolve().is_relative_to(cache)
+            and path.resolve().is_relative_to(cache)):
+        raise _hf_not_found(repo, revision)
+    return snapshot
+
+
+def _hf_not_found(repo: str, revision: str) -> CheckpointNotFound:
+    # one answer for every missing or unusable revision: which files exist on the server is nobody's business
+    hint = "download it once online, or unset HF_HUB_OFFLINE" if _offline() else "check the repo name and revision"
+    return CheckpointNotFound(f"{repo}@{revision}: no checkpoint (config.json) found", field="checkpoint", fix=hint)
+
+
+def _hf_error(exc: Exception, repo: str, revision: str) -> Exception:
+    """huggingface_hub's exceptions as Kiln's: a missing repo, revision or file (or unusable cache contents)
+    is one 422; the Hub failing or unreachable is a 503."""
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(exc, (CheckpointNotFound, SpecError)):
+        return exc
+    if isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError)):
+        return _hf_not_found(repo, revision)
+    if isinstance(exc, HfHubHTTPError):
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status is not None and 400 <= status < 500:
+            return _hf_not_found(repo, revision)
+        return StorageUnavailable(f"the Hub answered {type(exc).__name__} for {repo}")
+    if isinstance(exc, (OSError, ValueError)) and _offline():  # odd local cache contents
+        return _hf_not_found(repo, revision)
+    return StorageUnavailable(f"the Hub is unreachable for {repo} ({type(exc).__name__})")
+
+
+def _identify_hf(ref: str, max_bytes: int | None) -> ResolvedCheckpoint:
+    from huggingface_hub import HfApi, hf_hub_download
+
+    repo, revision = parse_hf_ref(ref)
+    size = None
     try:
-        if offline:
-            local = Path(snapshot_download(repo, revision=revision, local_files_only=True))
-            sha = local.name  # the cache lays snapshots out as snapshots/<commit sha>
+        if _offline():
+            config_path = Path(hf_hub_download(repo, "config.json", revision=revision, local_files_only=True))
+            sha = config_path.parent.name  # the cache lays snapshots out as snapshots/<commit sha>/
         else:
-            sha = HfApi().model_info(repo, revision=revision).sha
-            local = Path(snapshot_download(repo, revision=sha))
-    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
-        raise CheckpointNotFound(f"{repo}@{revision} not found on the Hub ({type(exc).__name__})",
-                                 field="checkpoint", fix="check the repo name and revision") from None
-    except LocalEntryNotFoundError:
-        raise CheckpointNotFound(f"{repo}@{revision} is not in the local Hub cache and HF_HUB_OFFLINE is set",
-                                 field="checkpoint", fix="download it once online, or unset HF_HUB_OFFLINE") from None
-    except HfHubHTTPError as exc:
-        raise StorageUnavailable(f"the Hub answered {exc}") from None
-    if not (local / "config.json").is_file():
-        raise CheckpointNotFound(f"{repo}@{sha} has no config.json", field="checkpoint",
-                                 fix="use a Hugging Face transformers checkpoint")
-    return ResolvedCheckpoint(ref, "hf", sha256_json({"hf": repo, "commit": sha}), local, sha)
+            info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+            sha = info.sha or ""
+            names = {s.rfilename for s in info.siblings or []}
+            if "config.json" not in names:
+                raise _hf_not_found(repo, revision)
+            size = sum(s.size or 0 for s in info.siblings or [])
+            if max_bytes is not None and size > max_bytes:
+                raise _too_big(ref, size, max_bytes)
+            config_path = Path(hf_hub_download(repo, "config.json", revision=sha))
+    except Exception as exc:
+        raise _hf_error(exc, repo, revision) from None
+    if not COMMIT_RE.fullmatch(sha):
+        raise _hf_not_found(repo, revision)
+    _inside_hub_cache(config_path, repo, revision)
+    config = _read_config_file(config_path, f"{repo}@{sha}")
+    return ResolvedCheckpoint(ref, "hf", sha256_json({"hf": repo, "commit": sha}), None, sha, [], config, size)
 
 
-def _resolve_s3(ref: str, cache_root: Path, endpoint_url: str | None) -> ResolvedCheckpoint:
+def _materialize_hf(resolved: ResolvedCheckpoint, max_bytes: int | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    repo, _ = parse_hf_ref(resolved.ref)
+    try:
+        local = Path(snapshot_download(repo, revision=resolved.revision, local_files_only=_offline()))
+    except Exception as exc:
+        raise _hf_error(exc, repo, resolved.revision) from None
+    snapshot = _inside_hub_cache(local, repo, resolved.revision)
+    if snapshot.name != resolved.revision:
+        raise _hf_not_found(repo, resolved.revision)
+    if max_bytes is not None:
+        total = sum(p.stat().st_size for p in snapshot.rglob("*") if p.is_file())
+        if total > max_bytes:
+            raise _too_big(resolved.ref, total, max_bytes)
+    return snapshot
+
+
+# -- s3:// -------------------------------------------------------------------------------------------
+def _too_big(ref: str, size: int, limit: int) -> SpecError:
+    return SpecError(f"{ref!r} holds {size:,} bytes, over the {limit:,}-byte checkpoint limit", field="checkpoint",
+                     fix="build a smaller checkpoint, or raise KILN_CHECKPOINT_MAX_BYTES on the service and workers")
+
+
+def _s3_location(ref: str) -> tuple[str, str]:
+    url = urlparse(ref)
+    prefix = url.path.lstrip("/")
+    return url.netloc, prefix if not prefix or prefix.endswith("/") else prefix + "/"
+
+
+def check_bucket(ref: str, buckets: list[str] | None) -> None:
+    bucket, _ = _s3_location(ref)
+    if buckets is not None and bucket not in buckets:
+        allowed = ", ".join(buckets) or "none are configured"
+        raise SpecError(f"bucket {bucket!r} is not an allowed checkpoint bucket ({allowed})", field="checkpoint",
+                        fix="use an allowed bucket, or add it to KILN_CHECKPOINT_BUCKETS on the service and workers")
+
+
+def _s3_errors(ref: str, exc: Exception) -> Exception:
+    from botocore.exceptions import ClientError
+
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in ("NoSuchBucket", "NoSuchKey", "404", "AccessDenied", "403"):
+            return CheckpointNotFound(f"{ref}: {code}", field="checkpoint", fix="check the bucket, prefix and credentials")
+        if code in ("PreconditionFailed", "412"):
+            return CheckpointNotFound(f"{ref} changed while it was read", field="checkpoint",
+                                      fix="submit the build again once the checkpoint's upload has finished")
+        return StorageUnavailable(f"S3 error reading {ref}: {code}")
+    return StorageUnavailable(f"S3 unreachable reading {ref}: {type(exc).__name__}")
+
+
+def _identify_s3(ref: str, endpoint_url: str | None, buckets: list[str] | None,
+                 max_bytes: int | None) -> ResolvedCheckpoint:
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
-    url = urlparse(ref)
-    bucket, prefix = url.netloc, url.path.lstrip("/")
-    prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+    check_bucket(ref, buckets)
+    bucket, prefix = _s3_location(ref)
     client = boto3.client("s3", endpoint_url=endpoint_url)
+    files: list[dict] = []
     try:
-        listing = []
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            listing += [{"key": o["Key"], "size": o["Size"], "etag": o["ETag"]} for o in page.get("Contents", [])]
-        if not any(o["key"] == prefix + "config.json" for o in listing):
+            for o in page.get("Contents", []):
+                rel = o["Key"][len(prefix):]
+                if not rel or rel.endswith("/"):
+                    continue  # folder marker objects
+                parts = rel.split("/")
+                if any(p in ("", ".", "..") for p in parts):
+                    raise CheckpointNotFound(f"{ref} holds an object key that escapes its prefix: {o['Key']!r}",
+                                             field="checkpoint", fix="remove keys with '//', '.' or '..' segments")
+                if any(p.startswith(".") for p in parts):
+                    continue  # hidden, as in a local directory
+                files.append({"path": rel, "size": o["Size"], "etag": o["ETag"]})
+                if len(files) > MAX_S3_OBJECTS:
+                    raise SpecError(f"{ref} holds over {MAX_S3_OBJECTS} objects", field="checkpoint",
+                                    fix="point at the prefix that holds just the checkpoint's files")
+        files.sort(key=lambda f: f["path"])
+        config_entry = next((f for f in files if f["path"] == "config.json"), None)
+        if config_entry is None:
             raise CheckpointNotFound(f"{ref} holds no config.json", field="checkpoint",
                                      fix="point at the prefix that holds the checkpoint's files")
-        # The listing (keys, sizes, ETags) names the content cheaply; the download is hashed for the digest.
-        listing_key = sha256_json(listing).split(":")[1]
-        index = cache_root / "by-listing" / listing_key
-        if index.is_file():
-            local = Path(index.read_text())
-            if local.is_dir():
-                files = file_manifest(local)
-                return ResolvedCheckpoint(ref, "s3", sha256_json({"files": files}), local, None, files)
-        staging = cache_root / f"staging-{uuid.uuid4().hex}"
-        for obj in listing:
-            rel = obj["key"][len(prefix):]
-            parts = rel.split("/")
-            if not rel or rel.endswith("/"):
-                continue  # folder marker objects
-            if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
-                raise CheckpointNotFound(f"{ref} holds an object key that escapes its prefix: {obj['key']!r}",
-                                         field="checkpoint", fix="remove keys with '//', '.' or '..' segments")
-            dest = staging / rel
+        size = sum(f["size"] for f in files)
+        if max_bytes is not None and size > max_bytes:
+            raise _too_big(ref, size, max_bytes)
+        body = client.get_object(Bucket=bucket, Key=prefix + "config.json", IfMatch=config_entry["etag"])["Body"]
+        data = body.read(MAX_CONFIG_BYTES + 1)
+        body.close()
+    except (ClientError, BotoCoreError) as exc:
+        raise _s3_errors(ref, exc) from None
+    config = parse_config(data, ref)
+    # keys relative to the prefix, sizes and ETags: the same objects at another prefix are the same checkpoint
+    return ResolvedCheckpoint(ref, "s3", sha256_json({"s3": files}), None, None, files, config, size)
+
+
+def _materialize_s3(resolved: ResolvedCheckpoint, cache_root: Path, endpoint_url: str | None,
+                    buckets: list[str] | None, max_bytes: int | None) -> Path:
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    check_bucket(resolved.ref, buckets)
+    final = cache_root / resolved.digest.split(":")[1]
+    if final.is_dir():
+        return final
+    if max_bytes is not None and (resolved.size or 0) > max_bytes:
+        raise _too_big(resolved.ref, resolved.size or 0, max_bytes)
+    bucket, prefix = _s3_location(resolved.ref)
+    client = boto3.client("s3", endpoint_url=endpoint_url)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    staging = cache_root / f"staging-{uuid.uuid4().hex}"
+    try:
+        for f in resolved.files:
+            dest = staging / f["path"]
             dest.parent.mkdir(parents=True, exist_ok=True)
-            client.download_file(bucket, obj["key"], str(dest))
-    except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "")
-        if code in ("NoSuchBucket", "404", "AccessDenied", "403"):
-            raise CheckpointNotFound(f"{ref}: {code}", field="checkpoint", fix="check the bucket, prefix and credentials") from None
-        raise StorageUnavailable(f"S3 error reading {ref}: {code}") from None
-    except BotoCoreError as exc:
-        raise StorageUnavailable(f"S3 unreachable reading {ref}: {exc}") from None
-    files = file_manifest(staging)
-    digest = sha256_json({"files": files})
-    final = cache_root / digest.split(":")[1]
-    if final.exists():
-        shutil.rmtree(staging)
-    else:
-        os.replace(staging, final)
-    index.parent.mkdir(parents=True, exist_ok=True)
-    index.write_text(str(final))
-    return ResolvedCheckpoint(ref, "s3", digest, final, None, files)
+            # exactly the identified bytes (If-Match the listed ETag), never more than the listing said
+            body = client.get_object(Bucket=bucket, Key=prefix + f["path"], IfMatch=f["etag"])["Body"]
+            written = 0
+            with open(dest, "wb") as out:
+                while chunk := body.read(1 << 20):
+                    written += len(chunk)
+                    if written > f["size"]:
+                        raise CheckpointNotFound(f"{resolved.ref}: {f['path']} is longer than listed",
+                                                 field="checkpoint", fix="submit the build again")
+                    out.write(chunk)
+            body.close()
+            if written != f["size"]:
+                raise CheckpointNotFound(f"{resolved.ref}: {f['path']} is shorter than listed", field="checkpoint",
+                                         fix="submit the build again")
+        try:
+            os.replace(staging, final)
+        except OSError:  # another worker materialized the same content first
+            if not final.is_dir():
+                raise
+    except (ClientError, BotoCoreError) as exc:
+        raise _s3_errors(resolved.ref, exc) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
 
 
-def resolve_checkpoint(ref: str, *, cache_root: Path, s3_endpoint_url: str | None = None
-                       ) -> tuple[ResolvedCheckpoint, bool]:
-    """Resolve ``ref`` to content; the flag says whether a cached answer was used (a local directory whose
-    file stats are unchanged is not re-hashed). Raises CheckpointNotFound (bad input) or StorageUnavailable."""
+# -- entry points ------------------------------------------------------------------------------------
+def identify_checkpoint(ref: str, *, cache_root: Path, s3_endpoint_url: str | None = None,
+                        buckets: list[str] | None = None, max_bytes: int | None = None
+                        ) -> tuple[ResolvedCheckpoint, bool]:
+    """The content identity and parsed config.json of ``ref``, without downloading weights; the flag says
+    whether a cached answer was used (a local directory whose file stats are unchanged is not re-hashed).
+    ``buckets``: the allowed s3:// buckets (None: any). Raises SpecError / CheckpointNotFound (bad input, 422)
+    or StorageUnavailable."""
     if ref.startswith("hf://"):
-        return _resolve_hf(ref), False
+        return _identify_hf(ref, max_bytes), False
     if ref.startswith("s3://"):
-        (cache_root / "s3").mkdir(parents=True, exist_ok=True)
-        return _resolve_s3(ref, cache_root / "s3", s3_endpoint_url), False
-    return _resolve_local(ref, cache_root)
+        return _identify_s3(ref, s3_endpoint_url, buckets, max_bytes), False
+    return _identify_local(ref, cache_root)
+
+
+def materialize_checkpoint(resolved: ResolvedCheckpoint, *, cache_root: Path, s3_endpoint_url: str | None = None,
+                           buckets: list[str] | None = None, max_bytes: int | None = None) -> ResolvedCheckpoint:
+    """``resolved`` with ``local_dir`` holding exactly its identified content (downloaded on first use)."""
+    if resolved.kind == "hf":
+        local = _materialize_hf(resolved, max_bytes)
+    elif resolved.kind == "s3":
+        local = _materialize_s3(resolved, cache_root / "s3", s3_endpoint_url, buckets, max_bytes)
+    else:
+        return resolved
+    return replace(resolved, local_dir=local)
+
+
+def resolve_checkpoint(ref: str, *, cache_root: Path, s3_endpoint_url: str | None = None,
+                       buckets: list[str] | None = None, max_bytes: int | None = None
+                       ) -> tuple[ResolvedCheckpoint, bool]:
+    """Identify, then materialize (what a worker does)."""
+    resolved, cached = identify_checkpoint(ref, cache_root=cache_root, s3_endpoint_url=s3_endpoint_url,
+                                           buckets=buckets, max_bytes=max_bytes)
+    return materialize_checkpoint(resolved, cache_root=cache_root, s3_endpoint_url=s3_endpoint_url,
+                                  buckets=buckets, max_bytes=max_bytes), cached
 
 
 def read_model_config(resolved: ResolvedCheckpoint) -> dict:
-    return json.loads((resolved.local_dir / "config.json").read_text())
+    return resolved.config

@@ -25,6 +25,11 @@ class Settings(BaseSettings):
     # file:// and plain-path checkpoints must lie under one of these (os.pathsep separated).
     # Default: the current working directory.
     checkpoint_roots: str | None = None
+    # s3:// checkpoints only from these buckets (comma separated); unset: none. The server reads them with its
+    # own credentials, so which buckets a build may name is the operator's choice, not the caller's.
+    checkpoint_buckets: str | None = None
+    # The most bytes a worker downloads for one hf:// or s3:// checkpoint (checked from metadata before).
+    checkpoint_max_bytes: int = 200 << 30
     webhook_secret: str | None = None
     # API tokens: "required" (every /v1 and /v2 call needs a token with the right scope) or "off" (embedded,
     # single user). Default: required when a bootstrap token is configured, off otherwise.
@@ -77,6 +82,10 @@ class Settings(BaseSettings):
         """Local stage cache: quantized checkpoints and compiled engines by stage key, a bounded copy of the
         stage outputs in the store (builder/stagecache.py); also resolve's memos and S3 checkpoint downloads."""
         return self.home_dir / "cache"
+
+    @property
+    def buckets(self) -> list[str]:
+        return [b.strip() for b in (self.checkpoint_buckets or "").split(",") if b.strip()]
 
     @cached_property
     def roots(self) -> list[Path]:

@@ -14,6 +14,7 @@ from kiln.backends import BACKENDS
 from kiln.errors import SpecError
 from kiln.families import family_of
 from kiln.precisions import PRECISIONS
+from kiln.refs import FIX as HF_FIX, hf_ref_problem
 
 KV_CACHES = ("none", "fp8")
 GPU_ARCHS = {"sm89": 89, "sm90": 90, "sm100": 100, "sm120": 120}
@@ -155,10 +156,8 @@ def check_checkpoint_ref(ref: str, roots: list[Path]) -> dict | None:
         return _bad("checkpoint", f"{ref!r} contains a control character",
                     "give hf://org/name@revision, s3://bucket/prefix or a directory, without control characters")
     if ref.startswith("hf://"):
-        repo = ref[5:].split("@", 1)[0]
-        if not re.match(r"^[\w.-]+/[\w.-]+$", repo):
-            return _bad("checkpoint", f"{ref!r} is not hf://org/name[@revision]", "write hf://org/name@revision")
-        return None
+        problem = hf_ref_problem(ref)
+        return _bad("checkpoint", f"{ref!r} {problem}", HF_FIX) if problem else None
     if ref.startswith("s3://"):
         if not urlparse(ref).netloc:
             return _bad("checkpoint", f"{ref!r} names no bucket", "write s3://bucket/prefix")

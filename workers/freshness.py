@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from builder.resolve import resolve_checkpoint
+from builder.resolve import identify_checkpoint
 from kiln.errors import SpecError
+from kiln.refs import parse_hf_ref
 from kiln.models import Artifact, TrackedModel, utcnow
 from kiln.settings import Settings
 from kiln.spec import MODEL_NAME_RE, parse_spec
@@ -37,10 +38,7 @@ def parse_tracked_checkpoint(ref: str) -> tuple[str, str]:
     if not isinstance(ref, str) or not ref.startswith("hf://"):
         raise SpecError("a tracked model follows a Hugging Face branch", field="checkpoint",
                         fix="give hf://org/name@branch")
-    repo, _, branch = ref[5:].partition("@")
-    if not repo or "/" not in repo:
-        raise SpecError(f"{ref!r} is not hf://org/name@branch", field="checkpoint", fix="give hf://org/name@branch")
-    return repo, branch or "main"
+    return parse_hf_ref(ref)
 
 
 def check_model_name(name: str) -> None:
@@ -50,8 +48,7 @@ def check_model_name(name: str) -> None:
 
 
 def head_of(settings: Settings, repo: str, branch: str) -> str:
-    resolved, _ = resolve_checkpoint(f"hf://{repo}@{branch}", cache_root=settings.cache_dir / "resolve",
-                                     s3_endpoint_url=settings.s3_endpoint_url)
+    resolved, _ = identify_checkpoint(f"hf://{repo}@{branch}", cache_root=settings.cache_dir / "resolve")
     return resolved.revision
 
 

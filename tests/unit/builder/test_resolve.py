@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from builder.resolve import file_manifest, read_model_config, resolve_checkpoint, stat_entries
+from builder.resolve import (
+    file_manifest, identify_checkpoint, materialize_checkpoint, read_model_config, resolve_checkpoint, stat_entries,
+)
 from kiln.digests import DIGEST_RE, sha256_json
-from kiln.errors import CheckpointNotFound
+from kiln.errors import CheckpointNotFound, SpecError
 
 TINY = Path(__file__).resolve().parents[3] / "examples" / "tiny-llama"
 
@@ -282,6 +284,43 @@ def test_hf_snapshot_without_config_json_is_checkpoint_not_found(hub_cache, cach
         resolve("hf://acme/empty", cache)
 
 
+@pytest.mark.parametrize("revision", ["/etc", "../../x", "..", "a/../b", "/" + "1" * 40, "main/", ".hidden",
+                                      "x.lock", "a b", "a:b", "a\\b", "@", "a@{1}", "x" * 256, ""])
+def test_hf_revision_that_is_no_ref_name_is_refused_before_the_cache_is_read(hub_cache, cache, revision):
+    with pytest.raises(SpecError) as info:
+        resolve(f"hf://acme/tiny@{revision}", cache)
+    assert info.value.field == "checkpoint" and "40-hex" in info.value.fix
+
+
+@pytest.mark.parametrize("repo", ["../..", "acme/..", "acme/tiny/extra", "-acme/tiny", "acme/ti--ny", "acme"])
+def test_hf_repo_that_is_no_hub_id_is_refused(hub_cache, cache, repo):
+    with pytest.raises(SpecError) as info:
+        resolve(f"hf://{repo}@main", cache)
+    assert info.value.field == "checkpoint"
+
+
+def test_hf_ref_file_pointing_outside_the_hub_cache_is_not_found(hub_cache, cache, tmp_path):
+    outside = tmp_path / "outside" / ("3" * 40)
+    shutil.copytree(TINY, outside)
+    repo = hub_cache / "models--acme--tiny"
+    _set_ref(repo, "evil", os.path.relpath(outside, repo / "snapshots"))
+    with pytest.raises(CheckpointNotFound) as info:
+        resolve("hf://acme/tiny@evil", cache)
+    assert info.value.field == "checkpoint"
+    _set_ref(repo, "dir", "")
+    (repo / "refs" / "nested").mkdir()
+    for ref in ("nested", "main/x", "dir"):  # a folder, below a file, empty: the same answer as a missing ref
+        with pytest.raises(CheckpointNotFound) as again:
+            resolve(f"hf://acme/tiny@{ref}", cache)
+        assert again.value.message == f"acme/tiny@{ref}: no checkpoint (config.json) found"
+
+
+def test_hf_identify_reads_config_json_only(hub_cache, cache):
+    resolved, _ = identify_checkpoint("hf://acme/tiny@main", cache_root=cache)
+    assert resolved.local_dir is None and resolved.revision == COMMIT_2
+    assert resolved.config["model_type"] == "llama"
+
+
 # -- s3:// against moto's server over HTTP ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def s3_endpoint():
@@ -319,15 +358,29 @@ def s3_calls():
     session.events.unregister("before-call.s3", record)
 
 
-def test_s3_digest_equals_the_local_manifest_digest(s3_client, s3_endpoint, cache, s3_calls):
-    resolved, cached = resolve("s3://ckpts/models/tiny", cache, s3_endpoint_url=s3_endpoint)
-    assert not cached
-    assert resolved.kind == "s3"
-    assert resolved.digest == sha256_json({"files": file_manifest(TINY)})
-    assert sorted(f["path"] for f in resolved.files) == sorted(p.name for p in TINY.iterdir())
+def s3_listing(client, bucket: str, prefix: str) -> list[dict]:
+    objs = client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+    return sorted(({"path": o["Key"][len(prefix):], "size": o["Size"], "etag": o["ETag"]} for o in objs),
+                  key=lambda f: f["path"])
+
+
+def test_s3_identify_reads_the_listing_and_config_json_only(s3_client, s3_endpoint, cache, s3_calls):
+    resolved, cached = identify_checkpoint("s3://ckpts/models/tiny", cache_root=cache, s3_endpoint_url=s3_endpoint)
+    assert not cached and resolved.kind == "s3" and resolved.local_dir is None
+    # the digest: relative keys, sizes and ETags (immutable content identity), documented in builder/resolve.py
+    assert resolved.digest == sha256_json({"s3": s3_listing(s3_client, "ckpts", "models/tiny/")})
+    assert resolved.config == json.loads((TINY / "config.json").read_text())
+    assert resolved.size == sum(p.stat().st_size for p in TINY.iterdir())
+    assert s3_calls == ["ListObjectsV2", "GetObject"]  # no weights in the API process
+    assert not cache.exists() or not any(cache.rglob("*.safetensors"))
+
+
+def test_s3_materialize_downloads_the_identified_bytes(s3_client, s3_endpoint, cache, s3_calls):
+    resolved, _ = resolve("s3://ckpts/models/tiny", cache, s3_endpoint_url=s3_endpoint)
     assert resolved.local_dir.is_relative_to(cache)
     assert (resolved.local_dir / "model.safetensors").read_bytes() == (TINY / "model.safetensors").read_bytes()
-    assert s3_calls.count("GetObject") == len(list(TINY.iterdir()))
+    assert file_manifest(resolved.local_dir) == file_manifest(TINY)
+    assert s3_calls.count("GetObject") == 1 + len(list(TINY.iterdir()))
 
 
 def test_s3_trailing_slash_is_the_same_checkpoint(s3_client, s3_endpoint, cache):
@@ -341,7 +394,7 @@ def test_s3_second_resolve_reuses_the_download(s3_client, s3_endpoint, cache, s3
     s3_calls.clear()
     second, _ = resolve("s3://ckpts/models/tiny", cache, s3_endpoint_url=s3_endpoint)
     assert second.digest == first.digest and second.local_dir == first.local_dir
-    assert s3_calls == ["ListObjectsV2"]  # listed, not downloaded again
+    assert s3_calls == ["ListObjectsV2", "GetObject"]  # listed and config.json read, not downloaded again
     assert not [p for p in (cache / "s3").iterdir() if p.name.startswith("staging-")]
 
 
@@ -352,7 +405,35 @@ def test_s3_changed_object_is_downloaded_again(s3_client, s3_endpoint, cache):
     s3_client.put_object(Bucket="ckpts", Key="models/changing/config.json", Body=b'{"v": 2}')
     b, _ = resolve("s3://ckpts/models/changing", cache, s3_endpoint_url=s3_endpoint)
     assert a.digest != b.digest and first.digest not in (a.digest, b.digest)
-    assert json.loads((b.local_dir / "config.json").read_text()) == {"v": 2}
+    assert json.loads((b.local_dir / "config.json").read_text()) == {"v": 2} == b.config
+
+
+def test_s3_object_rewritten_after_identify_is_not_materialized(s3_client, s3_endpoint, cache):
+    s3_client.put_object(Bucket="ckpts", Key="models/moving/config.json", Body=b'{"v": 1}')
+    s3_client.put_object(Bucket="ckpts", Key="models/moving/w.bin", Body=b"first")
+    resolved, _ = identify_checkpoint("s3://ckpts/models/moving", cache_root=cache, s3_endpoint_url=s3_endpoint)
+    s3_client.put_object(Bucket="ckpts", Key="models/moving/w.bin", Body=b"other")  # same size, new bytes
+    with pytest.raises(CheckpointNotFound, match="changed"):
+        materialize_checkpoint(resolved, cache_root=cache, s3_endpoint_url=s3_endpoint)
+    assert not (cache / "s3" / resolved.digest.split(":")[1]).exists()
+
+
+def test_s3_bucket_must_be_allowed(s3_client, s3_endpoint, cache, s3_calls):
+    for buckets in ([], ["other"]):
+        with pytest.raises(SpecError) as info:
+            identify_checkpoint("s3://ckpts/models/tiny", cache_root=cache, s3_endpoint_url=s3_endpoint,
+                                buckets=buckets)
+        assert info.value.field == "checkpoint" and "KILN_CHECKPOINT_BUCKETS" in info.value.fix
+    assert s3_calls == []  # refused before any request with the server's credentials
+    assert identify_checkpoint("s3://ckpts/models/tiny", cache_root=cache, s3_endpoint_url=s3_endpoint,
+                               buckets=["ckpts"])[0].kind == "s3"
+
+
+def test_s3_checkpoint_over_the_size_limit_is_refused_from_its_listing(s3_client, s3_endpoint, cache, s3_calls):
+    with pytest.raises(SpecError) as info:
+        identify_checkpoint("s3://ckpts/models/tiny", cache_root=cache, s3_endpoint_url=s3_endpoint, max_bytes=1000)
+    assert info.value.field == "checkpoint" and "KILN_CHECKPOINT_MAX_BYTES" in info.value.fix
+    assert s3_calls == ["ListObjectsV2"]
 
 
 def test_s3_missing_bucket_is_checkpoint_not_found(s3_client, s3_endpoint, cache):

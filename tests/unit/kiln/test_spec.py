@@ -350,12 +350,16 @@ def test_second_root_is_honoured(tmp_path):
 
 
 @pytest.mark.parametrize("ref", ["hf://org/name", "hf://org/name@main", "hf://Org-1/Name_2.5@0123abcd",
+                                 "hf://org/name@" + "a" * 40, "hf://org/name@refs/pr/1", "hf://org/name@v1.0",
                                  "s3://bucket/prefix", "s3://bucket/a/b/", "s3://bucket"])
 def test_remote_reference_shapes_are_accepted(ref):
     assert parse_spec(spec_data(checkpoint=ref), ROOTS).checkpoint == ref
 
 
 @pytest.mark.parametrize("ref", ["hf://name-only", "hf://org/name/extra", "hf://", "hf://org/na me",
+                                 "hf://../..", "hf://org/..", "hf://org/name@/etc", "hf://org/name@../../x",
+                                 "hf://org/name@a/../b", "hf://org/name@", "hf://org/name@x.lock",
+                                 "hf://org/name@refs/pr/1/", "hf://org/name@" + "/" * 2 + "x",
                                  "s3:///prefix-without-bucket", "gs://bucket/x", "http://example.com/model", ""])
 def test_malformed_references_are_refused(ref):
     err = refuse(checkpoint=ref)
