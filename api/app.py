@@ -13,6 +13,7 @@ from sqlalchemy.orm import sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kiln
+from api.bodies import SafeJSONResponse
 from api.errors import http_status
 from api.routes import admission, artifacts, builds, dashboard, health, keys, metrics, models, oci, workers
 from kiln.errors import KilnError
@@ -41,7 +42,7 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
     from workers.submit import celery_enqueue
 
     settings = settings or get_settings()
-    app = FastAPI(title="Kiln", version=kiln.__version__,
+    app = FastAPI(title="Kiln", version=kiln.__version__, default_response_class=SafeJSONResponse,
                   description="CI for inference engines: build, validate and serve engines by digest.")
     app.state.settings = settings
     app.state.sessions = db.session_factory(settings.db_url)

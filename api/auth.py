@@ -18,7 +18,7 @@ from fastapi import APIRouter, Body
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
-from api.deps import SessionDep
+from api.deps import SessionDep, SettingsDep
 from kiln.errors import SpecError
 from kiln.models import ApiToken, utcnow
 
@@ -70,8 +70,9 @@ def _deny(status: int, path: str, message: str, fix: str) -> JSONResponse:
 
 
 class AuthMiddleware:
-    """Pure ASGI (no per-request task or body wrapping, unlike ``@app.middleware``): request size limit, then
-    token and scope checks when auth is required."""
+    """Pure ASGI (no per-request task or body wrapping, unlike ``@app.middleware``): a declared
+    ``Content-Length`` over the limit is refused at once, then token and scope checks when auth is required;
+    the bytes actually received are counted by :class:`api.bodies.BodyLimitMiddleware`, inside this one."""
 
     def __init__(self, app, kiln_app):
         self.app, self.kiln_app = app, kiln_app
@@ -121,21 +122,29 @@ class AuthMiddleware:
 
 
 def install(app) -> None:
+    from api.bodies import BodyLimitMiddleware
+
     settings = app.state.settings
+    # inside the auth check (a request without a token is refused before its body is read)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, kiln_app=app)
     if settings.bootstrap_token:
         with app.state.sessions() as s:
             digest = token_hash(settings.bootstrap_token)
-            if s.scalars(select(ApiToken).where(ApiToken.token_sha256 == digest)).first() is None:
+            row = s.scalars(select(ApiToken).where(ApiToken.token_sha256 == digest)).first()
+            if row is None:
                 s.add(ApiToken(id=uuid.uuid4().hex, name="bootstrap", token_sha256=digest, scopes=["admin"],
-                               created_at=utcnow()))
-                s.commit()
+                               created_at=utcnow(), issued_with_auth=True))
+            elif not row.issued_with_auth and row.name == "bootstrap" and row.scopes == ["admin"]:
+                row.issued_with_auth = True  # the operator's own secret, from the environment
+            s.commit()
 
 
 def _lookup(app, token: str) -> ApiToken | None:
     with app.state.sessions() as s:
         row = s.scalars(select(ApiToken).where(ApiToken.token_sha256 == token_hash(token))).first()
-        return row if row is not None and row.revoked_at is None else None
+        # a token minted while auth was off (anyone could) is never honoured
+        return row if row is not None and row.revoked_at is None and row.issued_with_auth else None
 
 
 def token_read(t: ApiToken) -> dict:
@@ -144,8 +153,13 @@ def token_read(t: ApiToken) -> dict:
 
 
 @router.post("", status_code=201)
-def create_token(session: SessionDep, body: Any = Body(None)):
+def create_token(session: SessionDep, settings: SettingsDep, body: Any = Body(None)):
     """Create a token (admin). The token is in this response only."""
+    if not settings.auth_required:  # nobody is authenticated: a token minted now would be anyone's
+        return JSONResponse({"error": {"code": "auth_off", "field": "KILN_AUTH",
+                                       "message": "tokens are not required on this server, so none can be minted",
+                                       "fix": "start the API with KILN_AUTH=required and KILN_BOOTSTRAP_TOKEN, "
+                                              "then mint tokens with the bootstrap token"}}, status_code=403)
     if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"].strip():
         raise SpecError("a name is required", field="name", fix='send {"name": "ci", "scopes": ["builds:write"]}')
     scopes = body.get("scopes")
@@ -154,7 +168,7 @@ def create_token(session: SessionDep, body: Any = Body(None)):
                         fix='e.g. ["artifacts:read"]')
     token = "kiln_" + secrets.token_urlsafe(32)
     row = ApiToken(id=uuid.uuid4().hex, name=body["name"].strip()[:255], token_sha256=token_hash(token),
-                   scopes=sorted(set(scopes)), created_at=utcnow())
+                   scopes=sorted(set(scopes)), created_at=utcnow(), issued_with_auth=True)
     session.add(row)
     session.commit()
     return {**token_read(row), "token": token}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 DIGEST = String(71)  # "sha256:" + 64 hex
@@ -179,6 +179,8 @@ class ApiToken(Base):
     scopes: Mapped[list] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # False for a token minted while auth was off (or before this was recorded): never honoured.
+    issued_with_auth: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class StageOutput(Base):

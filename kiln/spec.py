@@ -3,6 +3,7 @@ and each violation names its field (dotted path) and the fix."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -235,8 +236,8 @@ def _rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
     for gname, value in d["gates"].items():
         if gname not in GATE_NAMES:
             errs.append(_bad(f"gates.{gname}", "unknown gate", f"use one of: {', '.join(GATE_NAMES)}"))
-        elif not isinstance(value, (int, float)) or value != value:
-            errs.append(_bad(f"gates.{gname}", f"{value!r} is not a number", "give a number, e.g. 5.0"))
+        elif not isinstance(value, (int, float)) or not math.isfinite(value):  # NaN and ±Infinity too
+            errs.append(_bad(f"gates.{gname}", f"{value!r} is not a finite number", "give a number, e.g. 5.0"))
         elif gname == "max_peak_memory_bytes" and not 0 < value < float("inf"):
             errs.append(_bad(f"gates.{gname}", f"{value!r} is not a positive number of bytes", "give bytes, e.g. 24e9"))
         elif gname in REGRESSION_GATE_NAMES and not (d.get("override_reason") or "").strip():

@@ -8,9 +8,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Body, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
+from api.bodies import SafeJSONResponse as JSONResponse  # a bad stored float is null, not a 500
 from api.deps import SessionDep, SessionsDep, SettingsDep
 from api.schemas import artifact_answer, build_read
 from kiln.errors import ArtifactUnknown, SpecError

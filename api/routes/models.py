@@ -6,10 +6,10 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Body, Header, Query, Request
-from fastapi.responses import JSONResponse
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
+from api.bodies import SafeJSONResponse as JSONResponse  # a bad stored float is null, not a 500
 from api.deps import SessionDep, SessionsDep, SettingsDep
 from api.schemas import artifact_answer, build_read
 from kiln.errors import SpecError

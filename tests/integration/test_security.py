@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 
 import httpx
 import pytest
 import sqlalchemy as sa
 
+from tests.hubcache import add_snapshot, commit_sha, set_ref
 from tests.integration.stack import Stack, tiny_spec
 from tests.integration.stack import served as embedded
 
@@ -19,7 +21,14 @@ BOOT = "kiln-bootstrap-for-tests-0123456789"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with embedded(tmp_path_factory.mktemp("sec") / "kiln", {"KILN_BOOTSTRAP_TOKEN": BOOT, "KILN_WEBHOOK_SECRET": "whsec"}) as s:
+    root = tmp_path_factory.mktemp("sec")
+    hub = root / "hf" / "hub"  # a real Hub cache, used offline (as in the review's reproduction)
+    add_snapshot(hub, "acme/tiny", commit_sha(1))
+    set_ref(hub, "acme/tiny", "main", commit_sha(1))
+    env = {"KILN_BOOTSTRAP_TOKEN": BOOT, "KILN_WEBHOOK_SECRET": "whsec", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(root / "hf"), "HF_HUB_CACHE": str(hub)}
+    with embedded(root / "kiln", env) as s:
+        s.hub = hub
         yield s
 
 
@@ -90,3 +99,117 @@ def test_limits_and_webhook_secret(served):
     assert r.status_code == 422 and r.json()["error"]["field"] == "checkpoint"
     r = call(served, "POST", "/v1/builds", token=BOOT, json=tiny_spec(checkpoint=str(served.home.parent / ".." / ".." / "etc")))
     assert r.status_code == 422 and r.json()["error"]["field"] == "checkpoint"
+
+
+# -- High 1: an hf:// revision is a ref name or a commit, never a path -------------------------------------
+def test_hf_revisions_that_are_paths_are_one_422(served):
+    outside = served.home.parent / "outside" / ("3" * 40)  # a checkpoint directory outside every root
+    outside.mkdir(parents=True)
+    (outside / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    refs = served.hub / "models--acme--tiny" / "refs"
+    (refs / "nested").mkdir()
+    answers = set()
+    for revision in ("/etc", "../../x", str(outside), "../" * 12 + str(outside).lstrip("/"), "main/x", "nested",
+                     "no-such-branch"):
+        r = call(served, "POST", "/v1/builds", token=BOOT, json=tiny_spec(checkpoint=f"hf://acme/tiny@{revision}"))
+        assert r.status_code == 422 and r.json()["error"]["field"] == "checkpoint", (revision, r.text)
+        answers.add(r.json()["error"]["code"])
+    assert len(answers) <= 2  # a path (invalid_spec) or a missing ref (checkpoint_not_found): nothing in between
+    for repo in ("../..", "acme/..", "..%2f.."):
+        r = call(served, "POST", "/v1/builds", token=BOOT, json=tiny_spec(checkpoint=f"hf://{repo}@main"))
+        assert r.status_code == 422 and r.json()["error"]["field"] == "checkpoint", (repo, r.text)
+    assert not any("Traceback" in line for line in served.log("serve").splitlines()[-200:])
+
+
+# -- High 2: with auth off no token can be minted; tokens minted while it was off are never honoured ------
+def test_auth_off_mints_nothing_and_its_tokens_never_work(tmp_path):
+    home = tmp_path / "kiln"
+    with embedded(home, {"KILN_AUTH": "off"}) as s:
+        r = call(s, "POST", "/v1/tokens", json={"name": "anyone", "scopes": ["admin"]})
+        assert r.status_code == 403 and r.json()["error"]["field"] == "KILN_AUTH"
+    # a token an older version minted while auth was off, as it stored it
+    old_token = "kiln_minted-while-auth-was-off"
+    engine = sa.create_engine(f"sqlite:///{home / 'kiln.db'}")
+    with engine.begin() as c:
+        c.execute(sa.text("INSERT INTO api_tokens (id, name, token_sha256, scopes, created_at) "
+                          "VALUES ('old', 'anyone', :h, '[\"admin\"]', '2026-01-01 00:00:00')"),
+                  {"h": hashlib.sha256(old_token.encode()).hexdigest()})
+    engine.dispose()
+    with embedded(home, {"KILN_BOOTSTRAP_TOKEN": BOOT}) as s:
+        assert call(s, "GET", "/v1/tokens", token=old_token).status_code == 401
+        assert call(s, "GET", "/v1/builds", token=old_token).status_code == 401
+        assert call(s, "GET", "/v1/tokens", token=BOOT).status_code == 200
+        made = call(s, "POST", "/v1/tokens", token=BOOT, json={"name": "ci", "scopes": ["builds:write"]})
+        assert made.status_code == 201 and call(s, "GET", "/v1/builds", token=made.json()["token"]).status_code == 200
+
+
+# -- Medium 3: non-finite numbers are refused everywhere; a bad stored row breaks no listing -------------
+def test_non_finite_numbers_are_422_naming_the_field(served):
+    spec = json.dumps(tiny_spec(gates={"max_mean_kl": 0.5}))
+    for bad in ("Infinity", "-Infinity", "NaN", "1e999"):
+        r = call(served, "POST", "/v1/builds", token=BOOT, content=spec.replace("0.5", bad),
+                 headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "gates.max_mean_kl", (bad, r.text)
+    r = call(served, "POST", "/v1/builds", token=BOOT, content='{"matrix": [%s]}' % spec.replace("0.5", "Infinity"),
+             headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "matrix.0.gates.max_mean_kl"
+    r = call(served, "PUT", "/v1/models/acme/tiny", token=BOOT, headers={"content-type": "application/json"},
+             content='{"checkpoint": "hf://acme/tiny@main", "gates": {"max_mean_kl": NaN}, "matrix": [{"precision": "fp8"}]}')
+    assert r.status_code == 422 and r.json()["error"]["field"] == "gates.max_mean_kl"
+    r = call(served, "POST", "/v1/fit", token=BOOT, content='{"traffic": [{"prompt_tokens": Infinity}]}',
+             headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "traffic.0.prompt_tokens"
+    assert call(served, "GET", "/v1/builds", token=BOOT).status_code == 200
+
+
+def test_a_non_finite_number_stored_earlier_breaks_no_listing(served):
+    engine = sa.create_engine(f"sqlite:///{served.home / 'kiln.db'}")
+    with engine.begin() as c:  # what an older version stored from {"gates": {"max_mean_kl": Infinity}}
+        spec = json.dumps(tiny_spec(model_name="acme/bad", gates={"max_mean_kl": float("inf")}))
+        c.execute(sa.text("INSERT INTO builds (id, request_key, spec, queue, status, stages, attempts, "
+                          "cancel_requested, created_at) VALUES ('badrow', 'k', :spec, 'q', 'failed', '[]', 0, 0, "
+                          "'2026-01-01 00:00:00')"), {"spec": spec})
+        c.execute(sa.text("INSERT INTO models (name, checkpoint, hf_repo, branch, head_sha, matrix, gates, "
+                          "created_at, updated_at) VALUES ('acme/bad', 'hf://acme/tiny@main', 'acme/tiny', 'main', :sha, "
+                          "'[]', '{\"max_mean_kl\": Infinity}', '2026-01-01 00:00:00', '2026-01-01 00:00:00')"),
+                  {"sha": commit_sha(1)})
+    engine.dispose()
+    r = call(served, "GET", "/v1/builds", token=BOOT)
+    assert r.status_code == 200
+    bad = next(b for b in r.json()["builds"] if b["id"] == "badrow")
+    assert bad["spec"]["gates"]["max_mean_kl"] is None
+    assert call(served, "GET", "/v1/builds/badrow", token=BOOT).status_code == 200
+    r = call(served, "GET", "/v1/models", token=BOOT)
+    assert r.status_code == 200 and any(m["name"] == "acme/bad" for m in r.json()["models"])
+
+
+# -- Medium 4: the body limit counts the bytes received, chunked or not, on every route -----------------
+def _chunks(total: int, size: int = 64 << 10):
+    yield b'{"checkpoint": "'
+    sent = 0
+    while sent < total:
+        yield b"x" * size
+        sent += size
+    yield b'"}'
+
+
+def test_chunked_bodies_over_the_limit_are_413_before_parsing(served):
+    for method, path, headers in (("POST", "/v1/builds", {}), ("POST", "/v1/fit", {}),
+                                  ("PUT", "/v1/models/acme/tiny", {}),
+                                  ("POST", "/v1/webhooks/huggingface", {"X-Webhook-Secret": "whsec"})):
+        r = call(served, method, path, token=BOOT, content=_chunks(3 << 20),
+                 headers={"content-type": "application/json", **headers})
+        assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+        assert r.status_code == 413 and r.json()["error"]["field"] == "body", (path, r.status_code, r.text[:200])
+    # under the limit, chunked bodies are read as usual
+    r = call(served, "POST", "/v1/builds", token=BOOT, content=iter([b'{"precision": "fp8"', b"}"]),
+             headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "checkpoint"
+
+
+def test_deeply_nested_json_is_422(served):
+    deep = "[" * 5000 + "]" * 5000
+    r = call(served, "POST", "/v1/webhooks/huggingface", content=deep, headers={"X-Webhook-Secret": "whsec"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "body"
+    r = call(served, "POST", "/v1/builds", token=BOOT, content='{"gates": ' + "[" * 100 + "]" * 100 + "}")
+    assert r.status_code == 422

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -42,6 +43,8 @@ THIRD_PARTY_COMMANDS = {
 # What NVIDIA's TensorRT-LLM container provides and the GPU image must not reinstall.
 CONTAINER_PROVIDED = {"torch", "nvidia-modelopt", "transformers", "tensorrt", "tensorrt-llm"}
 KILN_HOME = "/var/lib/kiln"
+#: What the host must set: the API's bootstrap token (there is no default secret in the file).
+HOST_ENV = {"KILN_BOOTSTRAP_TOKEN": "host-bootstrap-token"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -100,8 +103,8 @@ def raw() -> dict:
 
 @pytest.fixture(scope="module")
 def compose(raw) -> dict:
-    """docker-compose.yml as compose sees it with no host variables set (every default applied)."""
-    return interpolate(raw)
+    """docker-compose.yml as compose sees it with only the required host variable set (every default applied)."""
+    return interpolate(raw, HOST_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -392,9 +395,11 @@ def test_every_kiln_variable_is_a_settings_field(raw, services):
 
 def test_kiln_services_share_one_configuration(raw, services):
     envs = {name: env_of(services[name]) for name in KILN_SERVICES}
+    assert envs["api"].pop("KILN_BOOTSTRAP_TOKEN") == HOST_ENV["KILN_BOOTSTRAP_TOKEN"]  # the api's alone
     first = next(iter(envs.values()))
     assert all(env == first for env in envs.values()), "every Kiln service should use the x-kiln-env anchor"
     assert env_of({"environment": interpolate(raw["x-kiln-env"])}) == first
+    assert first["KILN_AUTH"] == "required"
     expected = {
         "KILN_DATABASE_URL": "postgresql+psycopg://kiln:kiln@postgres:5432/kiln",
         "KILN_BROKER_URL": "redis://redis:6379/0",
@@ -432,6 +437,14 @@ def test_configuration_is_what_kiln_settings_reads(services, monkeypatch):
     assert urlparse(s.broker).scheme == "redis"
     with pytest.raises(AssertionError):
         interpolate("${REQUIRED:?set it}")
+    assert s.auth_required and s.bootstrap_token == HOST_ENV["KILN_BOOTSTRAP_TOKEN"]
+
+
+def test_the_stack_does_not_start_without_a_bootstrap_token(raw):
+    """Tokens are required, and the first one comes from the host: no token, no stack (no default secret)."""
+    with pytest.raises(AssertionError, match="KILN_BOOTSTRAP_TOKEN"):
+        interpolate(raw)
+    assert "KILN_BOOTSTRAP_TOKEN" not in raw["x-kiln-env"]  # not handed to workers or migrations
 
 
 def test_checkpoints_and_kiln_home_are_mounted(services, compose):
@@ -576,7 +589,7 @@ def test_docker_compose_config_accepts_the_file(profile):
     if cli is None:
         pytest.skip("no Docker Compose v2 CLI on PATH (`docker compose` / `docker-compose`)")
     out = subprocess.run([*cli, "-f", str(COMPOSE_FILE), *profile, "config", "--services"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+                         capture_output=True, text=True, timeout=60, cwd=REPO, env={**os.environ, **HOST_ENV})
     assert out.returncode == 0, out.stderr
     started = set(out.stdout.split())
     base = {"postgres", "redis", "minio", "minio-init", "migrate", "api", "worker-cpu"}
