@@ -213,3 +213,37 @@ def test_deeply_nested_json_is_422(served):
     assert r.status_code == 422 and r.json()["error"]["field"] == "body"
     r = call(served, "POST", "/v1/builds", token=BOOT, content='{"gates": ' + "[" * 100 + "]" * 100 + "}")
     assert r.status_code == 422
+
+
+# -- Medium 6: the API identifies checkpoints cheaply and downloads none -----------------------------------
+def test_the_api_downloads_no_checkpoint_and_reads_only_allowed_buckets(tmp_path):
+    import boto3
+
+    from tests.conftest import TINY
+    from tests.s3server import CREDENTIALS, moto_s3
+
+    with moto_s3() as endpoint:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        for bucket in ("ckpts", "private"):
+            client.create_bucket(Bucket=bucket)
+            client.put_object(Bucket=bucket, Key="small/config.json", Body=(TINY / "config.json").read_bytes())
+            client.put_object(Bucket=bucket, Key="small/model.safetensors", Body=b"w" * 4000)
+        for path in TINY.iterdir():
+            client.upload_file(str(path), "ckpts", f"tiny/{path.name}")
+        home = tmp_path / "kiln"
+        s = Stack(home, {"KILN_S3_ENDPOINT_URL": endpoint, "KILN_CHECKPOINT_BUCKETS": "ckpts",
+                         "KILN_CHECKPOINT_MAX_BYTES": "100000", **CREDENTIALS})
+        assert s.kiln("db", "upgrade").returncode == 0
+        try:
+            s.start_api()
+            r = s.post("/v1/builds", tiny_spec(checkpoint="s3://ckpts/small"))
+            assert r.status_code == 202 and r.json()["status"] == "queued", r.text
+            assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.read_bytes() == b"w" * 4000]
+            r = s.post("/v1/builds", tiny_spec(checkpoint="s3://private/small"))
+            assert r.status_code == 422 and r.json()["error"]["field"] == "checkpoint"
+            assert "KILN_CHECKPOINT_BUCKETS" in r.json()["error"]["fix"]
+            r = s.post("/v1/builds", tiny_spec(checkpoint="s3://ckpts/tiny"))  # 5 MB of weights, over the limit
+            assert r.status_code == 422 and "KILN_CHECKPOINT_MAX_BYTES" in r.json()["error"]["fix"]
+            assert not list(tmp_path.rglob("*.safetensors"))
+        finally:
+            s.close()
