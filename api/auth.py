@@ -60,8 +60,11 @@ def bearer_or_basic(header: str | None) -> str | None:
 
 
 def _deny(status: int, path: str, message: str, fix: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": 'Basic realm="kiln", Bearer realm="kiln"'} if status == 401 else {}
+    # Basic only: registry clients read a Bearer realm as the URL of a token service and would send the
+    # user's credentials there. "Authorization: Bearer <token>" is still accepted.
+    headers = {"WWW-Authenticate": 'Basic realm="kiln"'} if status == 401 else {}
     if path.startswith("/v2"):
+        headers["Docker-Distribution-API-Version"] = "registry/2.0"
         code = "UNAUTHORIZED" if status == 401 else "DENIED"
         return JSONResponse({"errors": [{"code": code, "message": message, "detail": fix}]}, status_code=status,
                             headers=headers)
@@ -89,36 +92,41 @@ class AuthMiddleware:
             return await JSONResponse({"error": {"code": "too_large", "field": "body",
                                                  "message": f"body over {settings.max_body_bytes} bytes",
                                                  "fix": "send a smaller request"}}, status_code=413)(scope, receive, send)
+        # what the caller may do, for routes that answer differently to admins (request.state.scopes)
+        state = scope.setdefault("state", {})
         if not settings.auth_required:
+            state["scopes"] = set(SCOPES)  # single user: no tokens at all
             return await self.app(scope, receive, send)
         need = required_scope(scope["method"], path)
-        if need is None or (need == "artifacts:read" and settings.anonymous_read):
+        state["scopes"] = set()
+        if need is None or (need == "artifacts:read" and settings.anonymous_read and not headers.get("authorization")):
             return await self.app(scope, receive, send)
-        denied = await self._check(headers.get("authorization"), need, path)
+        denied, granted = await self._check(headers.get("authorization"), need, path)
         if denied is not None:
             return await denied(scope, receive, send)
+        state["scopes"] = granted
         return await self.app(scope, receive, send)
 
-    async def _check(self, authorization: str | None, need: str, path: str) -> JSONResponse | None:
+    async def _check(self, authorization: str | None, need: str, path: str) -> tuple[JSONResponse | None, set]:
         from sqlalchemy.exc import DBAPIError
         from starlette.concurrency import run_in_threadpool
 
         token = bearer_or_basic(authorization)
         if token is None:
-            return _deny(401, path, "a token is required", "send Authorization: Bearer <token>")
+            return _deny(401, path, "a token is required", "send Authorization: Bearer <token>"), set()
         try:
             row = await run_in_threadpool(_lookup, self.kiln_app, token)
         except DBAPIError as exc:
             return JSONResponse({"error": {"code": "database_unavailable", "field": "database",
                                            "message": f"the database is unreachable ({type(exc.orig).__name__})",
-                                           "fix": "retry shortly; Kiln reconnects by itself"}}, status_code=503)
+                                           "fix": "retry shortly; Kiln reconnects by itself"}}, status_code=503), set()
         if row is None:
-            return _deny(401, path, "unknown or revoked token", "ask an admin for a token")
+            return _deny(401, path, "unknown or revoked token", "ask an admin for a token"), set()
         granted = set().union(*(IMPLIES.get(s, set()) for s in row.scopes))
         if need not in granted:
             return _deny(403, path, f"this token lacks the {need} scope",
-                         f"use a token with {need} (it has {', '.join(row.scopes)})")
-        return None
+                         f"use a token with {need} (it has {', '.join(row.scopes)})"), granted
+        return None, granted
 
 
 def install(app) -> None:

@@ -9,9 +9,10 @@ What may be served is decided by the index rows, never by the store alone:
 
 * a manifest by digest is an engine (``artifacts`` row) or a referrer (``referrers`` row) *of that repository*;
 * a tag comes from the ``tags`` table;
-* an engine whose status is ``rejected`` (and everything attached to it) is never served; ``stale`` and
-  ``revoked`` engines stay pullable by digest (pinned rollbacks) and every engine manifest response says its
-  status in the ``Kiln-Engine-Status`` header;
+* an engine whose status is ``rejected`` (and everything attached to it) is never served; a ``revoked`` engine's
+  manifest is refused (``403 DENIED`` with the reason) unless an admin asks for it with ``?allow=revoked``;
+  ``stale`` engines stay pullable by digest (pinned rollbacks), never by tag; every engine manifest response
+  says its status in the ``Kiln-Engine-Status`` header;
 * a blob is served only when a servable manifest of that repository names it (config, layer, or the manifest
   itself). Manifests are immutable, so what each one names is cached per process (an LRU keyed by store and
   manifest digest).
@@ -59,7 +60,7 @@ and a ``Link`` to the next page, as the spec allows."""
 NAME_RE = re.compile(r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*)*")
 TAG_RE = re.compile(r"[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}")
 NAME_MAX = 255
-RANGE_RE = re.compile(r"bytes=(\d*)-(\d*)")
+RANGE_RE = re.compile(r"bytes=(\d{0,20})-(\d{0,20})")  # longer numbers: no range this server serves (ignored)
 
 
 # -- errors ----------------------------------------------------------------------------------------------------
@@ -128,8 +129,8 @@ def _page_size(request: Request) -> int | None:
     raw = request.query_params.get("n")
     if raw is None or raw == "":
         return None
-    if not raw.isdigit():
-        raise OCIError(400, "PAGINATION_NUMBER_INVALID", f"n={raw!r} is not a non-negative integer", {"n": raw})
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
+        raise OCIError(400, "UNSUPPORTED", f"n={raw!r} is not a non-negative integer", {"n": raw})
     return min(int(raw), MAX_PAGE)
 
 
@@ -179,6 +180,7 @@ def _rejected(digest: str, subject: str | None = None) -> OCIError:
 class _Found:
     digest: str
     status: str | None  # the engine's status; None for a referrer
+    reason: str | None = None
 
 
 def _manifest_by_digest(session: Session, name: str, digest: str) -> _Found:
@@ -186,7 +188,7 @@ def _manifest_by_digest(session: Session, name: str, digest: str) -> _Found:
     if art is not None and art.repository == name:
         if art.status == "rejected":
             raise _rejected(digest)
-        return _Found(digest, art.status)
+        return _Found(digest, art.status, art.status_reason)
     ref = session.get(Referrer, digest)
     if ref is not None and ref.repository == name:
         subject = session.get(Artifact, ref.subject)
@@ -201,7 +203,8 @@ def _manifest_by_digest(session: Session, name: str, digest: str) -> _Found:
 
 def _manifest_by_tag(session: Session, name: str, tag_name: str) -> _Found:
     if not TAG_RE.fullmatch(tag_name):
-        raise OCIError(400, "TAG_INVALID", f"{tag_name!r} is neither a tag nor a digest",
+        # no manifest can have this name (distribution-spec error codes only: there is no TAG_INVALID)
+        raise OCIError(404, "MANIFEST_UNKNOWN", f"{tag_name!r} is neither a tag nor a digest",
                        {"reference": tag_name, "rule": TAG_RE.pattern})
     tag = session.get(Tag, (name, tag_name))
     art = session.get(Artifact, tag.digest) if tag is not None else None
@@ -212,7 +215,10 @@ def _manifest_by_tag(session: Session, name: str, tag_name: str) -> _Found:
                        {"name": name, "tag": tag_name})
     if art.status == "rejected":
         raise _rejected(art.digest)
-    return _Found(art.digest, art.status)
+    if art.status == "stale":  # a tag never serves a stale engine (pinned rollbacks pull it by digest)
+        raise OCIError(404, "MANIFEST_UNKNOWN", f"tag {tag_name!r} of {name!r} names no fresh engine",
+                       {"name": name, "tag": tag_name})
+    return _Found(art.digest, art.status, art.status_reason)  # a revoked one is DENIED by the caller
 
 
 def _servable_manifests(session: Session, name: str) -> list[str]:
@@ -302,6 +308,10 @@ def manifest(name: str, reference: str, request: Request) -> Response:
             found = _manifest_by_digest(s, name, _check_digest(reference))
         else:
             found = _manifest_by_tag(s, name, reference)
+    if found.status == "revoked" and not _admin_asks_for_revoked(request):
+        raise OCIError(403, "DENIED", f"engine {found.digest} was revoked: {found.reason or 'no reason recorded'}",
+                       {"digest": found.digest, "status": "revoked", "reason": found.reason,
+                        "fix": f"pull a fresh engine; an admin may fetch it with ?{REVOKED_QUERY}"})
     item = MANIFESTS.get(_store(request), found.digest)
     headers = {"Docker-Content-Digest": found.digest, "ETag": f'"{found.digest}"',
                "Content-Length": str(len(item.data))}
@@ -312,6 +322,14 @@ def manifest(name: str, reference: str, request: Request) -> Response:
     return Response(item.data, headers=headers, media_type=item.media_type)
 
 
+REVOKED_QUERY = "allow=revoked"
+
+
+def _admin_asks_for_revoked(request: Request) -> bool:
+    """A revoked engine is known bad: served only to an admin who asks for it by name (``?allow=revoked``)."""
+    return request.query_params.get("allow") == "revoked" and "admin" in getattr(request.state, "scopes", set())
+
+
 def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """``(first, last)`` inclusive for one ``bytes=`` range; None to serve the whole blob (no header, or one this
     server ignores: another unit, several ranges). Raises ``416`` when the range cannot be satisfied."""
@@ -320,7 +338,7 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     m = RANGE_RE.fullmatch(header.strip().replace(" ", ""))
     if m is None or (m.group(1) == "" and m.group(2) == ""):
         return None
-    unsatisfiable = OCIError(416, "RANGE_INVALID", f"range {header!r} cannot be satisfied for a blob of {size} bytes",
+    unsatisfiable = OCIError(416, "UNSUPPORTED", f"range {header!r} cannot be satisfied for a blob of {size} bytes",
                              {"range": header, "size": size}, headers={"Content-Range": f"bytes */{size}"})
     if m.group(1) == "":  # suffix: the last N bytes
         n = int(m.group(2))

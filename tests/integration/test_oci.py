@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from artifacts import paths
+from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST
 from artifacts.tarball import unpack_tar
 from tests.integration.stack import Stack
 
@@ -186,6 +187,9 @@ def test_raw_http_ranges_and_head(reg):
     assert httpx.get(url, headers={"Range": "bytes=-16"}).content == whole[-16:]
     unsat = httpx.get(url, headers={"Range": f"bytes={size}-"})
     assert unsat.status_code == 416 and unsat.headers["Content-Range"] == f"bytes */{size}"
+    assert unsat.json()["errors"][0]["code"] == "UNSUPPORTED"  # a spec code (there is no RANGE_INVALID)
+    huge = httpx.get(url, headers={"Range": "bytes=" + "1" * 5000 + "-"})  # no range this server serves: ignored
+    assert huge.status_code == 200 and huge.content == whole
     head = httpx.head(url)
     assert head.status_code == 200 and head.headers["Content-Length"] == str(size) and head.content == b""
     assert head.headers["Accept-Ranges"] == "bytes" and head.headers["Docker-Content-Digest"] == desc["digest"]
@@ -217,7 +221,11 @@ def test_raw_http_errors(reg):
              (f"{REPO}/blobs/sha256:{'0' * 64}", 404, "BLOB_UNKNOWN"),
              (f"Acme/Tiny/manifests/{TAG}", 400, "NAME_INVALID"),
              (f"acme/unknown/manifests/{TAG}", 404, "NAME_UNKNOWN"),
-             (f"{REPO}/manifests/{reg.rejected}", 404, "MANIFEST_UNKNOWN")]
+             (f"{REPO}/manifests/{reg.rejected}", 404, "MANIFEST_UNKNOWN"),
+             # the distribution spec's error codes only (no TAG_INVALID, PAGINATION_NUMBER_INVALID)
+             (f"{REPO}/manifests/-bad-tag", 404, "MANIFEST_UNKNOWN"),
+             (f"{REPO}/tags/list?n=x", 400, "UNSUPPORTED"),
+             (f"{REPO}/tags/list?n=%C2%B2", 400, "UNSUPPORTED")]
     for path, status, code in cases:
         r = httpx.get(f"{base}/{path}")
         assert r.status_code == status, (path, r.text)
@@ -241,15 +249,17 @@ def test_kiln_pull_from_a_server(reg, tmp_path):
     assert rejected.returncode == 2 and "rejected" in rejected.stderr and not (tmp_path / "rej").exists()
 
 
-def test_kiln_pull_warns_on_a_revoked_engine(reg, tmp_path):
+def test_a_revoked_engine_is_denied_to_every_client(reg, tmp_path):
     db = sqlite3.connect(reg.home / "kiln.db")
     try:
-        db.execute("UPDATE artifacts SET status = 'revoked' WHERE digest = ?", (reg.digest,))
+        db.execute("UPDATE artifacts SET status = 'revoked', status_reason = 'bad tokenizer' WHERE digest = ?",
+                   (reg.digest,))
         db.commit()
         r = reg.kiln("pull", f"{REPO}@{reg.digest}", str(tmp_path / "e"), "--server", reg.url)
-        assert r.returncode == 0, r.stderr
-        assert "warning" in r.stderr and "revoked" in r.stderr and "revoked" in r.stdout
-        assert tree(tmp_path / "e") == reg.signed_tree
+        assert r.returncode != 0 and "revoked" in r.stderr and "bad tokenizer" in r.stderr
+        assert not (tmp_path / "e").exists()
+        r = httpx.get(f"{reg.url}/v2/{REPO}/manifests/{reg.digest}", headers={"Accept": MEDIA_TYPE_IMAGE_MANIFEST})
+        assert r.status_code == 403 and r.json()["errors"][0]["code"] == "DENIED"
     finally:
         db.execute("UPDATE artifacts SET status = 'fresh' WHERE digest = ?", (reg.digest,))
         db.commit()

@@ -67,6 +67,10 @@ def test_tokens_and_scopes(served):
     assert call(served, "GET", "/v2/", headers={"Authorization": f"Basic {basic}"}).status_code == 200
     r = call(served, "GET", "/v2/")
     assert r.status_code == 401 and r.json()["errors"][0]["code"] == "UNAUTHORIZED"
+    # Basic only (a Bearer realm is a token service's URL to registry clients), and the registry's version header
+    assert r.headers["WWW-Authenticate"] == 'Basic realm="kiln"'
+    assert r.headers["Docker-Distribution-API-Version"] == "registry/2.0"
+    assert call(served, "GET", "/v2/", token=deployer).status_code == 200  # Bearer <token> still accepted
 
     # stored hashed, never in clear; revoked tokens stop working
     engine = sa.create_engine(f"sqlite:///{served.home / 'kiln.db'}")
