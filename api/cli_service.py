@@ -138,6 +138,9 @@ def serve(host: str, port: int) -> None:
 
         from api.app import create_app
 
+        # uvicorn re-raises the SIGTERM it caught once it has shut down; by default that kills this process
+        # before the finally below stops the worker. Raised as SystemExit instead, the finally runs.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         uvicorn.run(create_app(), host=host, port=port, log_level="info")
     finally:
         child.send_signal(signal.SIGTERM)

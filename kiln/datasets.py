@@ -35,7 +35,10 @@ def load_text(name: str, *, field: str, roots: list[Path]) -> tuple[str, str]:
                             fix="give a UTF-8 .txt file, or .jsonl with a 'text' field per line")
     st = path.stat()
     read = _read if st.st_size <= CACHED_MAX_BYTES else _read.__wrapped__
-    return read(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    try:
+        return read(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    except SpecError as exc:  # a malformed .jsonl line: name the field that chose the file
+        raise SpecError(exc.message, field=field, fix=exc.fix) from None
 
 
 @lru_cache(maxsize=8)
@@ -45,5 +48,17 @@ def _read(path: Path, size: int, mtime_ns: int, ctime_ns: int, ino: int) -> tupl
     raw = path.read_bytes()
     text = raw.decode("utf-8", errors="replace")
     if path.suffix == ".jsonl":
-        text = "\n\n".join(json.loads(line).get("text", "") for line in text.splitlines() if line.strip())
+        texts = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                row = None
+            if not isinstance(row, dict) or not isinstance(row.get("text", ""), str):
+                raise SpecError(f"{path.name} line {n} is not a JSON object with a string 'text'",
+                                fix="write one JSON object per line, e.g. {\"text\": \"...\"}")
+            texts.append(row.get("text", ""))
+        text = "\n\n".join(texts)
     return text, sha256_bytes(raw)

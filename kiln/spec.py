@@ -123,10 +123,11 @@ def normalize_target(value: str) -> tuple[str | None, dict | None]:
         return v, None
     if v in GPU_NAMES:
         return GPU_NAMES[v], None
-    if v.startswith("sm") and v[2:].isdigit() and int(v[2:]) >= 89:
+    digits = v[2:].isascii() and v[2:].isdigit() and len(v) <= 8  # "sm²" is a digit to str.isdigit, not to int()
+    if v.startswith("sm") and digits and int(v[2:]) >= 89:
         return None, _bad("target", f"{value!r} is not an architecture Kiln builds for",
                           f"use one of {', '.join(GPU_ARCHS)} (or cpu)")
-    if v in OLD_GPUS or (v.startswith("sm") and v[2:].isdigit()):
+    if v in OLD_GPUS or (v.startswith("sm") and digits):
         sm = OLD_GPUS.get(v) or int(v[2:])
         return None, _bad("target", f"{value!r} is sm{sm}; FP8 needs sm89+ and NVFP4 engines sm100+",
                           "use a target of sm89 or newer (sm89, sm90, sm100, sm120) or cpu")
@@ -200,7 +201,7 @@ def _rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
     errs += [err] if err else []
     d["target"] = target or d["target"]
     name = d.get("model_name")
-    if name is not None and not MODEL_NAME_RE.match(name):
+    if name is not None and (len(name) > 255 or not MODEL_NAME_RE.fullmatch(name)):  # no trailing newline
         errs.append(_bad("model_name", f"{name!r} is not a valid repository name",
                          "use lowercase letters, digits, '.', '_', '-' and '/' separators, e.g. acme/tiny"))
     prof = d["profile"]

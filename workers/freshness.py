@@ -42,7 +42,7 @@ def parse_tracked_checkpoint(ref: str) -> tuple[str, str]:
 
 
 def check_model_name(name: str) -> None:
-    if not MODEL_NAME_RE.match(name or ""):
+    if not isinstance(name, str) or len(name) > 255 or not MODEL_NAME_RE.fullmatch(name):
         raise SpecError(f"{name!r} is not a valid model name", field="model",
                         fix="use lowercase letters, digits, '.', '_', '-' and '/' separators, e.g. acme/tiny")
 

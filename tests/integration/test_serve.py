@@ -31,3 +31,25 @@ def test_embedded_build_end_to_end(served):
 
 def test_embedded_bad_requests(served):
     api_checks.bad_requests_are_4xx_with_json(served)
+
+
+def test_sigterm_to_kiln_serve_stops_its_worker(tmp_path):
+    """A process manager signals the serve process alone (not its group): the worker must not outlive it."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    with embedded(tmp_path / "kiln") as s:
+        proc = s.procs["serve"]
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert children, "kiln serve started no worker"
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.time() + 60
+        alive = children
+        while alive and time.time() < deadline:
+            alive = [c for c in children if Path(f"/proc/{c}").exists()
+                     and Path(f"/proc/{c}/stat").read_text().split(")")[-1].split()[0] != "Z"]
+            time.sleep(0.5)
+        assert not alive, f"the worker {alive} outlived kiln serve:\n{s.log('serve')[-2000:]}"

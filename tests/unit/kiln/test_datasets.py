@@ -102,3 +102,12 @@ def test_invalid_utf8_is_replaced_not_fatal(root):
     path.write_bytes(b"ok \xff\xfe end")
     text, _ = load_text(str(path), field="f", roots=[root])
     assert text.startswith("ok ") and text.endswith(" end") and "\ufffd" in text
+
+
+@pytest.mark.parametrize("line", ["not json", "[1, 2]", '{"text": 5}', "[" * 5000, '"just a string"'])
+def test_a_malformed_jsonl_line_is_a_spec_error_naming_the_field(root, line):
+    path = root / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(SpecError) as info:
+        load_text(str(path), field="evaluation.dataset", roots=[root])
+    assert info.value.field == "evaluation.dataset" and "line 2" in info.value.message

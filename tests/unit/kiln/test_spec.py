@@ -490,3 +490,13 @@ def test_parsed_spec_round_trips_through_json(data):
     # the service stores the spec as JSON and the worker parses it again: same spec, same rules pass
     spec = parse_spec(spec_data(**data), ROOTS)
     assert parse_spec(spec.model_dump(mode="json"), ROOTS) == spec
+
+
+@pytest.mark.parametrize("target", ["sm²", "sm٩٠", "sm" + "9" * 5000])
+def test_a_target_with_non_ascii_or_huge_digits_is_refused(target):
+    assert refuse(target=target).field == "target"
+
+
+@pytest.mark.parametrize("name", ["acme/tiny\n", "acme/tiny\n\n", "a" * 256, "acme/" + "b" * 251])
+def test_a_model_name_with_a_trailing_newline_or_over_255_characters_is_refused(name):
+    assert refuse(model_name=name).field == "model_name"
