@@ -43,6 +43,7 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
 
     settings = settings or get_settings()
     app = FastAPI(title="Kiln", version=kiln.__version__, default_response_class=SafeJSONResponse,
+                  docs_url="/docs" if settings.api_docs else None, redoc_url="/redoc" if settings.api_docs else None,
                   description="CI for inference engines: build, validate and serve engines by digest.")
     app.state.settings = settings
     app.state.sessions = db.session_factory(settings.db_url)

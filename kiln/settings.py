@@ -56,6 +56,8 @@ class Settings(BaseSettings):
     # than the grace period is not swept (builder/leases.py). Stage outputs unused this long may be collected.
     gc_grace_s: float = Field(default=3600.0, gt=0)
     lease_ttl_s: float = Field(default=6 * 3600.0, gt=0)
+    # /docs and /redoc load Swagger UI / ReDoc scripts from a CDN: off unless asked for (/openapi.json always)
+    api_docs: bool = False
 
     @property
     def auth_required(self) -> bool:

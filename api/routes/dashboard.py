@@ -24,7 +24,11 @@ from validation import fit as fitting
 STATIC = Path(__file__).resolve().parent.parent / "static"
 router = APIRouter(tags=["dashboard"])
 MAX_FIT_REQUESTS = 200_000
-REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"  # the report runs no script
+REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'"  # no script
+#: The dashboard runs only its own script and style, talks only to this server, and is never framed.
+DASHBOARD_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
+                 "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+PAGE_HEADERS = {"X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
 
 # -- pages ------------------------------------------------------------------------------------------------------
@@ -32,7 +36,7 @@ REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"  # t
 def dashboard() -> FileResponse:
     """The dashboard: builds, engines per model and target, one engine's page (``/#/engine/<digest>``)."""
     return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8",
-                        headers={"Cache-Control": "no-cache"})
+                        headers={"Cache-Control": "no-cache", "Content-Security-Policy": DASHBOARD_CSP, **PAGE_HEADERS})
 
 
 # -- tags -------------------------------------------------------------------------------------------------------
@@ -199,7 +203,10 @@ def report_html(digest: str, session: SessionDep):
         page = _report_page(row)
     else:
         page = render_html(document_for_row(row), status=row.status)
-    return HTMLResponse(page, headers={"Content-Security-Policy": REPORT_CSP, "Cache-Control": "no-cache"})
+    # the policy also in the page itself: the dashboard opens the report from a blob: URL, without these headers
+    page = page.replace("<head>", f'<head><meta http-equiv="Content-Security-Policy" content="{REPORT_CSP}">', 1)
+    return HTMLResponse(page, headers={"Content-Security-Policy": REPORT_CSP, "Cache-Control": "no-cache",
+                                       **PAGE_HEADERS})
 
 
 # -- fit ----------------------------------------------------------------------------------------------------------

@@ -273,3 +273,27 @@ def test_page_is_open_and_data_needs_a_token_when_auth_is_required(tmp_path):
     auth = {"Authorization": "Bearer kiln_test_token"}
     assert client.get("/v1/tags", headers=auth).status_code == 200
     assert client.get(f"/v1/artifacts/{d}/throughput.svg", headers=auth).status_code == 200
+
+
+def test_pages_carry_a_content_security_policy_and_refuse_framing(app_env):
+    client, sessions = app_env
+    page = client.get("/")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp and "unsafe-inline" not in csp
+    assert page.headers["x-frame-options"] == "DENY" and page.headers["x-content-type-options"] == "nosniff"
+    d = add_engine(sessions)
+    report = client.get(f"/v1/artifacts/{d}/report.html")
+    assert "frame-ancestors 'none'" in report.headers["content-security-policy"]
+    assert report.headers["x-frame-options"] == "DENY"
+    # opened from a blob: URL the headers are gone: the page carries its policy itself
+    assert f'<meta http-equiv="Content-Security-Policy" content="{report.headers["content-security-policy"]}">' in report.text
+
+
+def test_docs_loading_cdn_scripts_are_off_unless_asked_for(tmp_path):
+    settings = Settings(home=tmp_path / "home")
+    db.upgrade(settings.db_url)
+    client = TestClient(create_app(settings, enqueue=lambda *a, **k: None))
+    assert client.get("/docs").status_code == 404 and client.get("/redoc").status_code == 404
+    assert client.get("/openapi.json").status_code == 200
+    on = TestClient(create_app(Settings(home=tmp_path / "home", api_docs=True), enqueue=lambda *a, **k: None))
+    assert on.get("/docs").status_code == 200
