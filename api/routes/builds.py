@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from api.bodies import SafeJSONResponse as JSONResponse  # a bad stored float is null, not a 500
 from api.deps import SessionDep, SessionsDep, SettingsDep
@@ -76,15 +76,15 @@ def list_builds(session: SessionDep, status: str | None = Query(None, pattern="^
                 model: str | None = Query(None, max_length=255), limit: int = Query(50, ge=1, le=500),
                 offset: int = Query(0, ge=0, le=1_000_000)):
     """Builds, newest first, filtered by status and model name."""
-    q = select(Build)
+    where = []  # filtered and paged in SQL: a call reads one page, not the table
     if status:
-        q = q.where(Build.status == status)
-    rows = [b for b in session.scalars(q.order_by(Build.created_at.desc()))]
+        where.append(Build.status == status)
     if model:
-        rows = [b for b in rows if (b.spec or {}).get("model_name") == model]
-    total = len(rows)
-    return {"builds": [build_read(b) for b in rows[offset: offset + limit]], "total": total, "limit": limit,
-            "offset": offset}
+        where.append(Build.spec["model_name"].as_string() == model)
+    total = session.scalar(select(func.count()).select_from(Build).where(*where))
+    page = session.scalars(select(Build).where(*where).order_by(Build.created_at.desc(), Build.id)
+                           .offset(offset).limit(limit))
+    return {"builds": [build_read(b) for b in page], "total": total, "limit": limit, "offset": offset}
 
 
 def _get(session, build_id: str) -> Build:
