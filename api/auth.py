@@ -1,8 +1,9 @@
 """API tokens and scopes, enforced for every request in one middleware.
 
 Scopes: ``artifacts:read`` (deployers: resolve, artifacts, /v2 pulls), ``builds:write`` (CI: submit, cancel,
-register models; includes reading), ``admin`` (tokens, revoke, everything). Tokens are stored as sha256
-hashes. /v2 accepts them the way OCI clients send them: ``Bearer <token>`` or Basic with the token as password.
+register models; includes reading), ``admin`` (tokens, revoke, everything). Tokens are stored as hashes
+(HMAC-SHA256 keyed with ``KILN_TOKEN_SECRET`` when set), may expire, and an address with too many failed token
+checks is answered 429 for a minute. What each scope reveals: docs/security.md. /v2 accepts them the way OCI clients send them: ``Bearer <token>`` or Basic with the token as password.
 Health endpoints are open; the Hugging Face webhook authenticates with its own secret.
 """
 
@@ -10,8 +11,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import secrets
+import time
 import uuid
+from collections import deque
+from datetime import timedelta, timezone
 from typing import Any
 
 from fastapi import APIRouter, Body
@@ -28,8 +33,21 @@ OPEN = ("/healthz", "/readyz", "/v1/webhooks/huggingface", "/openapi.json", "/do
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
 
-def token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+def token_hashes(token: str, secret: str | None) -> list[str]:
+    """What a stored token may look like: HMAC-SHA256 keyed with the server's secret (when one is set) and the
+    plain SHA-256 that rows stored before it use. The first one is what new tokens are stored as."""
+    plain = hashlib.sha256(token.encode()).hexdigest()
+    if not secret:
+        return [plain]
+    return [hmac.new(secret.encode(), token.encode(), hashlib.sha256).hexdigest(), plain]
+
+
+def token_hash(token: str, secret: str | None = None) -> str:
+    return token_hashes(token, secret)[0]
+
+
+#: Failed token checks allowed per client address and window before it is answered 429 for the window.
+MAX_FAILURES, FAILURE_WINDOW_S = 10, 60.0
 
 
 def required_scope(method: str, path: str) -> str | None:
@@ -80,6 +98,20 @@ class AuthMiddleware:
     def __init__(self, app, kiln_app):
         self.app, self.kiln_app = app, kiln_app
         self.settings = kiln_app.state.settings
+        self.failures: dict[str, deque] = {}  # client address → times of its recent failed token checks
+
+    def _throttled(self, client: str) -> bool:
+        times = self.failures.get(client)
+        if not times:
+            return False
+        while times and times[0] < time.monotonic() - FAILURE_WINDOW_S:
+            times.popleft()
+        return len(times) >= MAX_FAILURES
+
+    def _failed(self, client: str) -> None:
+        if len(self.failures) > 10_000:  # bounded memory: forget everyone rather than grow
+            self.failures.clear()
+        self.failures.setdefault(client, deque()).append(time.monotonic())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -101,8 +133,17 @@ class AuthMiddleware:
         state["scopes"] = set()
         if need is None or (need == "artifacts:read" and settings.anonymous_read and not headers.get("authorization")):
             return await self.app(scope, receive, send)
+        client = (scope.get("client") or ("?",))[0]
+        if headers.get("authorization") and self._throttled(client):
+            return await JSONResponse({"error": {"code": "too_many_failures", "field": "Authorization",
+                                                 "message": "too many failed token checks from this address",
+                                                 "fix": f"wait {int(FAILURE_WINDOW_S)} s and use a valid token"}},
+                                      status_code=429, headers={"Retry-After": str(int(FAILURE_WINDOW_S))}
+                                      )(scope, receive, send)
         denied, granted = await self._check(headers.get("authorization"), need, path)
         if denied is not None:
+            if denied.status_code == 401 and headers.get("authorization"):
+                self._failed(client)
             return await denied(scope, receive, send)
         state["scopes"] = granted
         return await self.app(scope, receive, send)
@@ -138,8 +179,9 @@ def install(app) -> None:
     app.add_middleware(AuthMiddleware, kiln_app=app)
     if settings.bootstrap_token:
         with app.state.sessions() as s:
-            digest = token_hash(settings.bootstrap_token)
-            row = s.scalars(select(ApiToken).where(ApiToken.token_sha256 == digest)).first()
+            hashes = token_hashes(settings.bootstrap_token, settings.token_secret)
+            digest = hashes[0]
+            row = s.scalars(select(ApiToken).where(ApiToken.token_sha256.in_(hashes))).first()
             if row is None:
                 s.add(ApiToken(id=uuid.uuid4().hex, name="bootstrap", token_sha256=digest, scopes=["admin"],
                                created_at=utcnow(), issued_with_auth=True))
@@ -150,14 +192,19 @@ def install(app) -> None:
 
 def _lookup(app, token: str) -> ApiToken | None:
     with app.state.sessions() as s:
-        row = s.scalars(select(ApiToken).where(ApiToken.token_sha256 == token_hash(token))).first()
-        # a token minted while auth was off (anyone could) is never honoured
-        return row if row is not None and row.revoked_at is None and row.issued_with_auth else None
+        hashes = token_hashes(token, app.state.settings.token_secret)
+        row = s.scalars(select(ApiToken).where(ApiToken.token_sha256.in_(hashes))).first()
+        if row is None or row.revoked_at is not None or not row.issued_with_auth:
+            return None  # unknown, revoked, or minted while auth was off (when anyone could)
+        expires = row.expires_at
+        if expires is not None and (expires if expires.tzinfo else expires.replace(tzinfo=timezone.utc)) <= utcnow():
+            return None
+        return row
 
 
 def token_read(t: ApiToken) -> dict:
     return {"id": t.id, "name": t.name, "scopes": t.scopes, "created_at": t.created_at.isoformat(),
-            "revoked": t.revoked_at is not None}
+            "expires_at": t.expires_at.isoformat() if t.expires_at else None, "revoked": t.revoked_at is not None}
 
 
 @router.post("", status_code=201)
@@ -174,9 +221,14 @@ def create_token(session: SessionDep, settings: SettingsDep, body: Any = Body(No
     if not isinstance(scopes, list) or not scopes or any(s not in SCOPES for s in scopes):
         raise SpecError(f"scopes must be a non-empty list of {', '.join(SCOPES)}", field="scopes",
                         fix='e.g. ["artifacts:read"]')
+    days = body.get("expires_in_days")
+    if days is not None and (isinstance(days, bool) or not isinstance(days, (int, float)) or not 0 < days <= 3650):
+        raise SpecError(f"{days!r} is not a number of days from 0 to 3650", field="expires_in_days",
+                        fix="e.g. 90, or leave it out for a token that does not expire")
     token = "kiln_" + secrets.token_urlsafe(32)
-    row = ApiToken(id=uuid.uuid4().hex, name=body["name"].strip()[:255], token_sha256=token_hash(token),
-                   scopes=sorted(set(scopes)), created_at=utcnow(), issued_with_auth=True)
+    row = ApiToken(id=uuid.uuid4().hex, name=body["name"].strip()[:255], token_sha256=token_hash(token, settings.token_secret),
+                   scopes=sorted(set(scopes)), created_at=utcnow(), issued_with_auth=True,
+                   expires_at=utcnow() + timedelta(days=days) if days is not None else None)
     session.add(row)
     session.commit()
     return {**token_read(row), "token": token}

@@ -169,7 +169,8 @@ class TrackedModel(Base):
 
 
 class ApiToken(Base):
-    """An API token. Only its sha256 is stored; the token itself is shown once, when created."""
+    """An API token. Only its hash is stored (HMAC-SHA256 keyed with KILN_TOKEN_SECRET when set, else SHA-256);
+    the token itself is shown once, when created."""
 
     __tablename__ = "api_tokens"
 
@@ -181,6 +182,7 @@ class ApiToken(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # False for a token minted while auth was off (or before this was recorded): never honoured.
     issued_with_auth: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class StageOutput(Base):

@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     # single user). Default: required when a bootstrap token is configured, off otherwise.
     auth: str | None = None
     bootstrap_token: str | None = None
+    # Tokens are stored as HMAC-SHA256 keyed with this secret (a stolen table then reveals nothing usable);
+    # unset: plain SHA-256. Tokens stored before a secret was set keep working after.
+    token_secret: str | None = None
     anonymous_read: bool = False  # allow artifacts:read endpoints (resolve, /v2 pulls) without a token
     max_body_bytes: int = 1 << 20
     # `kiln pull --server`: the most bytes an engine's layers may declare together (a hostile server is refused
