@@ -28,10 +28,10 @@ def load_text(name: str, *, field: str, roots: list[Path]) -> tuple[str, str]:
 
         path = local_path(name, field=field)
         if not any(path == r or path.is_relative_to(r) for r in roots):
-            raise SpecError(f"{path} is outside the allowed roots", field=field,
+            raise SpecError(f"{name!r} is outside the allowed roots", field=field,  # as given: no server paths
                             fix="put the file under a checkpoint root (KILN_CHECKPOINT_ROOTS)")
         if path.suffix not in (".txt", ".jsonl") or not path.is_file():
-            raise SpecError(f"{path} is not a readable .txt or .jsonl file", field=field,
+            raise SpecError(f"{name!r} is not a readable .txt or .jsonl file", field=field,
                             fix="give a UTF-8 .txt file, or .jsonl with a 'text' field per line")
     st = path.stat()
     read = _read if st.st_size <= CACHED_MAX_BYTES else _read.__wrapped__

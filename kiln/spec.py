@@ -168,10 +168,11 @@ def check_checkpoint_ref(ref: str, roots: list[Path]) -> dict | None:
         return _bad("checkpoint", f"unsupported scheme in {ref!r}", "use hf://, s3://, file:// or a directory path")
     path = local_path(ref)
     if not any(path == root or path.is_relative_to(root) for root in roots):
-        return _bad("checkpoint", f"{path} is outside the allowed checkpoint roots",
+        # the reference as given: its resolved form would show the server's working directory or $HOME
+        return _bad("checkpoint", f"{ref!r} is outside the allowed checkpoint roots",
                     "move it under a root or add its parent to KILN_CHECKPOINT_ROOTS")
     if not (path / "config.json").is_file():
-        return _bad("checkpoint", f"{path} is not a checkpoint directory (no config.json)",
+        return _bad("checkpoint", f"{ref!r} is not a checkpoint directory (no config.json)",
                     "give a Hugging Face format directory holding config.json and *.safetensors")
     return None
 

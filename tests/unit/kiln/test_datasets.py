@@ -111,3 +111,10 @@ def test_a_malformed_jsonl_line_is_a_spec_error_naming_the_field(root, line):
     with pytest.raises(SpecError) as info:
         load_text(str(path), field="evaluation.dataset", roots=[root])
     assert info.value.field == "evaluation.dataset" and "line 2" in info.value.message
+
+
+def test_refusals_name_the_dataset_as_given(root, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecError) as info:
+        load_text("elsewhere/data.txt", field="calibration.dataset", roots=[root])
+    assert str(tmp_path) not in info.value.message and "'elsewhere/data.txt'" in info.value.message

@@ -500,3 +500,13 @@ def test_a_target_with_non_ascii_or_huge_digits_is_refused(target):
 @pytest.mark.parametrize("name", ["acme/tiny\n", "acme/tiny\n\n", "a" * 256, "acme/" + "b" * 251])
 def test_a_model_name_with_a_trailing_newline_or_over_255_characters_is_refused(name):
     assert refuse(model_name=name).field == "model_name"
+
+
+def test_refusals_name_the_reference_as_given_not_server_paths(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    for ref in ("relative/model", "~/model"):
+        err = refuse(checkpoint=ref)
+        assert err.field == "checkpoint" and str(tmp_path) not in err.message
+        assert os.environ.get("HOME", "/nonexistent-home") not in err.message
