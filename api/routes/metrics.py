@@ -2,12 +2,15 @@
 
 Everything about builds, queues, workers and engines is read from the database at scrape time (a custom
 collector), so every API replica reports the same true values for all processes — workers included — and a
-restarted API loses nothing. Only ``kiln_resolve_latency_seconds`` is in-process: it times ``GET /v1/resolve``
+restarted API loses nothing; stage durations and cache hits of finished builds are counted once per process
+(each scrape reads only the builds finished since the last). Only ``kiln_resolve_latency_seconds`` is in-process: it times ``GET /v1/resolve``
 in this API process (an ASGI middleware; sum it over replicas)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from datetime import datetime, timedelta
 from typing import Iterable
 
 from fastapi import APIRouter, FastAPI, Request
@@ -58,11 +61,42 @@ def _le(v: float) -> str:
     return "+Inf" if v == float("inf") else repr(float(v))
 
 
+#: Builds finishing this close to the last one seen are read again (commits land out of finishing order).
+OVERLAP = timedelta(minutes=2)
+
+
 class KilnCollector(Collector):
-    """Reads the index at scrape time; ``state`` is the app's state (sessions, settings)."""
+    """Reads the index at scrape time; ``state`` is the app's state (sessions, settings).
+
+    Stage durations and cache hits of finished builds are kept as counters in this process: a scrape reads only
+    the builds that finished since the previous one (the first scrape reads them all, once), so an open
+    ``/metrics`` costs the same however many builds the table holds."""
 
     def __init__(self, state):
         self.state = state
+        self._lock = threading.Lock()
+        self._hist: dict[str, tuple[list[int], float]] = {}
+        self._hits: dict[str, int] = {}
+        self._seen: dict[str, datetime] = {}  # builds counted that finished within OVERLAP of the mark
+        self._mark: datetime | None = None
+
+    def _count_finished(self, session) -> None:
+        when = func.coalesce(Build.finished_at, Build.created_at)
+        q = select(Build.id, Build.stages, when.label("when")).where(Build.status.in_(TERMINAL))
+        with self._lock:
+            if self._mark is not None:
+                q = q.where(when > self._mark - OVERLAP)
+            rows = [r for r in session.execute(q).all() if r.id not in self._seen]
+            for stage, (counts, total) in stage_histograms(r.stages for r in rows).items():
+                old, old_total = self._hist.get(stage, ([0] * len(STAGE_BUCKETS), 0.0))
+                self._hist[stage] = ([a + b for a, b in zip(old, counts)], old_total + total)
+            for stage, n in cache_hits(r.stages for r in rows).items():
+                self._hits[stage] = self._hits.get(stage, 0) + n
+            for r in rows:
+                self._seen[r.id] = r.when
+                self._mark = r.when if self._mark is None or r.when > self._mark else self._mark
+            if self._mark is not None:
+                self._seen = {k: v for k, v in self._seen.items() if v > self._mark - OVERLAP}
 
     def describe(self):  # no collect at registration time (the database may not be reachable yet)
         return []
@@ -74,7 +108,7 @@ class KilnCollector(Collector):
             builds = dict(s.execute(select(Build.status, func.count()).group_by(Build.status)).all())
             queued = dict(s.execute(select(Build.queue, func.count()).where(Build.status == "queued")
                                     .group_by(Build.queue)).all())
-            finished = [row[0] for row in s.execute(select(Build.stages).where(Build.status.in_(TERMINAL)))]
+            self._count_finished(s)
             running = [row[0] for row in s.execute(select(Build.stages).where(Build.status == "running"))]
             workers = list(s.scalars(select(Worker)))
             artifacts = dict(s.execute(select(Artifact.status, func.count()).group_by(Artifact.status)).all())
@@ -87,7 +121,7 @@ class KilnCollector(Collector):
         h = HistogramMetricFamily("kiln_stage_duration_seconds",
                                   "Seconds each pipeline stage ran, over finished builds (cached stages excluded).",
                                   labels=["stage"])
-        hist = stage_histograms(finished)
+        hist = self._hist
         for stage in sorted(set(STAGES) | set(hist), key=lambda n: (STAGES.index(n) if n in STAGES else 99, n)):
             counts, total = hist.get(stage, ([0] * len(STAGE_BUCKETS), 0.0))
             h.add_metric([stage], [(_le(le), c) for le, c in zip(STAGE_BUCKETS, counts)], total)
@@ -109,7 +143,9 @@ class KilnCollector(Collector):
 
         c = CounterMetricFamily("kiln_cache_hits", "Stages answered from the cache (stage status cached).",
                                 labels=["stage"])
-        hits = cache_hits(finished + running)
+        hits = dict(self._hits)
+        for stage, n in cache_hits(running).items():
+            hits[stage] = hits.get(stage, 0) + n
         for stage in sorted(set(STAGES) | set(hits), key=lambda n: (STAGES.index(n) if n in STAGES else 99, n)):
             c.add_metric([stage], hits.get(stage, 0))
         yield c

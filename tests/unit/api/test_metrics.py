@@ -178,3 +178,29 @@ def test_pure_helpers_ignore_malformed_stage_records():
     hist = stage_histograms(lists)
     assert hist["compile"][0][-1] == 1 and hist["compile"][1] == 31.0
     assert cache_hits(lists) == {"quantize": 1, "compile": 1, "validate": 1, "publish": 1}
+
+
+def test_a_scrape_reads_only_the_builds_finished_since_the_last(env):
+    from sqlalchemy import event
+
+    from kiln import db as kdb
+
+    first = values(env.scrape()["kiln_stage_duration_seconds"], "kiln_stage_duration_seconds_count")
+    engine = kdb.get_engine(env.settings.db_url)
+    reads: list[str] = []
+
+    def record(conn, cursor, statement, params, context, executemany):
+        if "FROM builds" in statement and "stages" in statement and "status IN" in statement:
+            reads.append(statement)
+
+    event.listen(engine, "after_cursor_execute", record)
+    try:
+        again = values(env.scrape()["kiln_stage_duration_seconds"], "kiln_stage_duration_seconds_count")
+        env.build("succeeded", stage_list=FULL)
+        after = values(env.scrape()["kiln_stage_duration_seconds"], "kiln_stage_duration_seconds_count")
+    finally:
+        event.remove(engine, "after_cursor_execute", record)
+    assert again == first  # nothing counted twice
+    assert after == {k: v + 1 for k, v in first.items()}  # the new build, counted once
+    # each later scrape asks only for builds finished after a bound (not the whole table)
+    assert len(reads) == 2 and all("coalesce(builds.finished_at, builds.created_at) >" in r for r in reads), reads
