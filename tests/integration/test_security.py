@@ -253,31 +253,6 @@ def test_the_api_downloads_no_checkpoint_and_reads_only_allowed_buckets(tmp_path
             s.close()
 
 
-# -- the registry: an engine built under another repository gets the requesting repository's tag ---------------
-def test_an_identical_build_for_another_repository_tags_it_there(served):
-    first = call(served, "POST", "/v1/builds", token=BOOT, json=tiny_spec(model_name="acme/first"))
-    assert first.status_code in (200, 202), first.text
-    if first.json()["status"] in ("queued", "running"):  # created, or joined the identical build running
-        assert wait_build_as(served, first.json()["id"], BOOT)["status"] == "succeeded"
-    again = call(served, "POST", "/v1/builds", token=BOOT, json=tiny_spec(model_name="acme/second"))
-    assert again.status_code == 200, again.text
-    digest = again.json()["digest"]
-    tag = "fp8-cpu-latency-checkpoint"
-    assert call(served, "GET", "/v2/acme/second/tags/list", token=BOOT).json()["tags"] == [tag]
-    r = call(served, "GET", f"/v2/acme/second/manifests/{tag}", token=BOOT,
-             headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
-    assert r.status_code == 200 and r.headers["Docker-Content-Digest"] == digest
-    layer = r.json()["layers"][0]["digest"]
-    blob = call(served, "GET", f"/v2/acme/second/blobs/{layer}", token=BOOT)
-    assert blob.status_code == 200 and "sha256:" + hashlib.sha256(blob.content).hexdigest() == layer
-    assert call(served, "GET", f"/v2/acme/second/manifests/{digest}", token=BOOT).status_code == 200
-    assert "acme/second" in call(served, "GET", "/v2/_catalog", token=BOOT).json()["repositories"]
-    # revoking the engine takes its names in every repository away
-    rv = call(served, "POST", f"/v1/artifacts/{digest}/revoke", token=BOOT, json={"reason": "test"})
-    assert rv.status_code == 200
-    assert call(served, "GET", f"/v2/acme/second/manifests/{tag}", token=BOOT).status_code == 404
-
-
 # -- Low: tokens stored keyed, expiring, and failed attempts rate-limited -------------------------------------
 def test_tokens_are_keyed_hashes_expire_and_failures_are_throttled(tmp_path):
     import hmac
