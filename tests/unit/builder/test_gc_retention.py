@@ -113,16 +113,3 @@ def test_run_gc_deletes_rows_then_blobs_and_dry_run_deletes_nothing(env):
     assert blobs_of(store, b.digest) <= set(store.list_digests())
 
 
-def test_blob_sweep_waits_for_active_builds(env):
-    store, sessions, _ = env
-    a = engine(env)
-    engine(env)
-    stale(sessions, a.digest)
-    age(sessions, a.digest, 30)
-    with sessions() as s:
-        create_build(s, Build(id="b" * 32, request_key="sha256:" + "d" * 64, active_key="sha256:" + "d" * 64,
-                              spec={}, queue="q", status="queued", stages=[], attempts=0, cancel_requested=False))
-        s.commit()
-    plan = run_gc(sessions, store, dry_run=False, keep=1)
-    assert plan.artifacts == [a.digest] and plan.blobs == [] and "b" * 32 in plan.deferred
-    assert blobs_of(store, a.digest) <= set(store.list_digests())  # the row went; its blobs wait
