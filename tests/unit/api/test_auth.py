@@ -16,7 +16,7 @@ from kiln.models import ApiToken
 from kiln.settings import Settings
 
 BOOT = "kiln_bootstrap_for_auth_tests_0123456789abcdef"
-WWW = 'Basic realm="kiln", Bearer realm="kiln"'
+WWW = 'Basic realm="kiln"'  # Basic only: a Bearer realm is a token-service URL to registry clients (issue 13)
 
 
 def app_for(tmp_path, **settings):
