@@ -109,6 +109,12 @@ def _error(resp: httpx.Response, what: str) -> e.KilnError:
         first = {}
     message = f"{what}: {str(first.get('message') or f'HTTP {resp.status_code}')[:500]}"
     code = first.get("code")
+    if resp.status_code == 403 and code == "DENIED":  # known bad (revoked): not a credentials problem
+        detail = first.get("detail")
+        why = f" ({str(detail)[:300]})" if detail else ""
+        return e.SpecError(f"{message}{why}", field="ref",
+                           fix="pull another engine (kiln resolve names the fresh one); an admin may fetch a revoked "
+                               "engine explicitly with ?allow=revoked")
     if resp.status_code in (401, 403):
         return e.SpecError(message, field="KILN_TOKEN", fix="set KILN_TOKEN to a token with the artifacts:read scope")
     if code == "DIGEST_INVALID" or code == "NAME_INVALID":

@@ -288,3 +288,16 @@ def test_verify_key_refuses_unsigned_foreign_and_oversized_signatures(hostile, t
     hostile.routes[f"/v2/{REPO}/referrers/{d}"] = index
     got = pull_remote(hostile.url, f"{REPO}@{d}", out / "engine")
     assert not got.signed and not (out / "engine" / "model.sig").exists()
+
+
+def test_a_denied_engine_is_reported_as_refused_not_as_a_missing_token():
+    """403 DENIED (a revoked engine) names the engine and its reason; other 401/403s point at KILN_TOKEN."""
+    import httpx
+
+    from api.pull import _error
+
+    body = {"errors": [{"code": "DENIED", "message": "engine sha256:ab was revoked: bad tokenizer"}]}
+    denied = _error(httpx.Response(403, json=body), "manifest")
+    assert denied.field == "ref" and "revoked: bad tokenizer" in denied.message and "allow=revoked" in denied.fix
+    unauthorized = _error(httpx.Response(401, json={"errors": [{"code": "UNAUTHORIZED", "message": "no"}]}), "manifest")
+    assert unauthorized.field == "KILN_TOKEN"
