@@ -98,7 +98,8 @@ def test_pull_json_and_the_serving_configs_beside_the_files(home, built, tmp_pat
     proc = kiln("pull", out["digest"], str(dest), "--json", home=home)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"digest": out["digest"], "repository": "acme/tiny", "status": "fresh",
-                                       "dest": str(dest), "server": None}
+                                       "dest": str(dest), "server": None, "signed": True, "verified_key": None}
+    assert (dest / "model.sig").is_file()  # signed on publish; no --verify-key, so nothing verified
     assert (dest / "config.json").is_file() and (dest / "hf_quant_config.json").is_file()
     manifest = json.loads((dest / "serving" / "serving.json").read_text())
     assert manifest["profile"]["name"] == "balanced" and manifest["runtimes"]["vllm"]["run_in_kiln_ci"] is False
