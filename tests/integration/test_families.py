@@ -2,8 +2,12 @@
 (tests/families.py) is quantized by real ModelOpt, compiled by real torch.export + AOTInductor (FP8 and NVFP4) and
 exported as the unified checkpoint (FP8), validated against the transformers reference, and published.
 
-Per family the three builds share one calibration per precision (the stage cache: the FP8 checkpoint build finds
-the FP8 calibration of the aot-inductor build). Asserted beyond "it passed":
+Per family the builds share one calibration per precision (the stage cache: the FP8 checkpoint build finds the
+FP8 calibration of the aot-inductor build). Every family builds FP8 on both backends; NVFP4 on aot-inductor runs
+for one family of each shape in the default suite (dense Llama with llama3 rope, Gemma 2's soft-capping and
+sliding windows, Phi-3's fused projections, Qwen3-MoE's experts) and for every family with
+``KILN_TEST_ALL_FAMILIES=1`` — each AOTInductor compile costs tens of seconds on two cores, and the suite's budget
+is 15 minutes. Asserted beyond "it passed":
 - the unquantized reference perplexity Kiln reports is the one transformers computes on the same tokens;
 - the compiled engine and the checkpoint artifact of the same quantized weights agree (perplexity to 1e-4
   relative, logits to 2e-3 absolute: both are float32 computations of one model, differing only by kernel order);
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -23,7 +28,9 @@ pytestmark = pytest.mark.slow
 
 #: small enough for two cores, large enough to cross the sliding windows (32) and the llama3 rope's
 #: original_max_position_embeddings (64)
-PROFILE = {"max_batch_size": 2, "max_input_len": 96, "max_seq_len": 128, "max_num_tokens": 256}
+PROFILE = {"max_batch_size": 1, "max_input_len": 96, "max_seq_len": 128, "max_num_tokens": 128}
+NVFP4_AOT = set(FAMILY_CONFIGS) if os.environ.get("KILN_TEST_ALL_FAMILIES") == "1" else {
+    "llama", "gemma2", "phi3", "qwen3_moe"}
 EVALUATION = {"seq_len": 96, "max_tokens": 4096}
 CALIBRATION = {"samples": 8, "seq_len": 64}
 
@@ -73,13 +80,14 @@ def test_family_builds_validates_and_publishes_on_both_backends(family, tmp_path
 
     fp8_aot = builder.build(_spec(ckpt, settings, precision="fp8", backend="aot-inductor"))
     fp8_ckpt = builder.build(_spec(ckpt, settings, precision="fp8", backend="checkpoint"))
-    nvfp4_aot = builder.build(_spec(ckpt, settings, precision="nvfp4", backend="aot-inductor"))
-    for out in (fp8_aot, fp8_ckpt, nvfp4_aot):
+    nvfp4_aot = (builder.build(_spec(ckpt, settings, precision="nvfp4", backend="aot-inductor"))
+                 if family in NVFP4_AOT else None)
+    for out in (o for o in (fp8_aot, fp8_ckpt, nvfp4_aot) if o is not None):
         assert out.status == "succeeded", (family, out.validation.get("gates"))
         assert out.digest and out.artifact["status"] == "fresh"
     status = lambda out: {s.name: s.status for s in out.stages}  # noqa: E731
     assert status(fp8_aot)["quantize"] == "ran" and status(fp8_ckpt)["quantize"] == "cached"  # one calibration
-    assert status(nvfp4_aot)["quantize"] == "ran"
+    assert nvfp4_aot is None or status(nvfp4_aot)["quantize"] == "ran"
 
     # the reference Kiln reports is transformers' own computation of the unquantized checkpoint
     text, _ = load_text("kiln:heldout", field="evaluation.dataset", roots=[])
@@ -87,7 +95,8 @@ def test_family_builds_validates_and_publishes_on_both_backends(family, tmp_path
     metrics = fp8_aot.validation["metrics"]
     assert metrics["reference_perplexity"] == pytest.approx(expected, rel=1e-4)
     assert metrics["reference_perplexity"] < 2048  # trained: below a uniform guess over 2048 tokens
-    assert nvfp4_aot.validation["metrics"]["reference_perplexity"] == pytest.approx(expected, rel=1e-4)
+    if nvfp4_aot is not None:
+        assert nvfp4_aot.validation["metrics"]["reference_perplexity"] == pytest.approx(expected, rel=1e-4)
 
     # the compiled engine and the checkpoint artifact of the same FP8 weights compute the same thing
     assert fp8_ckpt.validation["metrics"]["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-4)
@@ -96,13 +105,13 @@ def test_family_builds_validates_and_publishes_on_both_backends(family, tmp_path
                    and json.loads((d / "engine.json").read_text())["precision"] == "fp8")
     ckpt_dir = next(d for d in cache.iterdir() if json.loads((d / "engine.json").read_text())["format"]
                     == "kiln-hf-checkpoint/1")
-    x = torch.randint(0, 2048, (2, 80), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 2048, (1, 80), generator=torch.Generator().manual_seed(0))
     a, b = AOTInductorRunner(aot_dir).logits(x), CheckpointRunner(ckpt_dir).logits(x)
     assert (a - b).abs().max().item() < 2e-3
     engine = json.loads((aot_dir / "engine.json").read_text())
     assert engine["family"] == family and engine["activation_quant_emulated"] is True
-    # NVFP4 costs more accuracy than FP8 on the same model (a damaged dequantization would cost orders more)
-    assert nvfp4_aot.validation["metrics"]["ppl_increase_pct"] < 50
+    # a damaged NVFP4 dequantization costs orders of magnitude (DESIGN.md: ×2000 with the nibbles swapped)
+    assert nvfp4_aot is None or nvfp4_aot.validation["metrics"]["ppl_increase_pct"] < 50
 
 
 def test_a_non_llama_family_through_the_service_on_both_backends(tmp_path_factory):
