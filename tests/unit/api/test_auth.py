@@ -170,7 +170,7 @@ def test_a_token_with_a_scope_this_version_does_not_know_keeps_the_others(client
 
     with client.app.state.sessions() as s:  # e.g. written by a newer version
         s.add(ApiToken(id=uuid.uuid4().hex, name="old", token_sha256=token_hash("kiln_legacy"),
-                       scopes=["models:write", "artifacts:read"], created_at=utcnow()))
+                       scopes=["models:write", "artifacts:read"], created_at=utcnow(), issued_with_auth=True))
         s.commit()
     assert client.get("/v1/artifacts", headers=bearer("kiln_legacy")).status_code == 200
     r = client.post("/v1/builds", json={}, headers=bearer("kiln_legacy"))

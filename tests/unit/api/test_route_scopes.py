@@ -15,8 +15,7 @@ from kiln.settings import Settings
 #: (method, path template) → the scope a request needs (None: open). HEAD routes follow their GET.
 EXPECTED = {
     ("GET", "/healthz"): None, ("GET", "/readyz"): None, ("GET", "/metrics"): None,
-    ("GET", "/openapi.json"): None, ("GET", "/docs"): None, ("GET", "/docs/oauth2-redirect"): "artifacts:read",
-    ("GET", "/redoc"): None, ("GET", "/"): None, ("POST", "/v1/webhooks/huggingface"): None,
+    ("GET", "/openapi.json"): None, ("GET", "/"): None, ("POST", "/v1/webhooks/huggingface"): None,
     ("POST", "/v1/builds"): "builds:write", ("GET", "/v1/builds"): "artifacts:read",
     ("GET", "/v1/builds/{build_id}"): "artifacts:read", ("POST", "/v1/builds/{build_id}/cancel"): "builds:write",
     ("GET", "/v1/builds/{build_id}/events"): "artifacts:read",
