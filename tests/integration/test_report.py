@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from builder.attest import SIGNED_TYPES
 from tests.integration.test_cli_build import kiln, last_json
 from validation.report import REPORT_TYPE
 
@@ -126,7 +127,8 @@ def test_the_report_is_attached_to_the_engine_image_as_a_referrer(home, first, s
         rows = conn.execute("SELECT digest, artifact_type, size, repository FROM referrers WHERE subject = ?",
                             (second["digest"],)).fetchall()
     by_type = {r[1]: r for r in rows}
-    assert set(by_type) == {PROVENANCE_TYPE, REPORT_TYPE}
+    # provenance, the report, and (since signing) the model-signing bundle and the signed in-toto statement
+    assert set(by_type) == {PROVENANCE_TYPE, REPORT_TYPE, *SIGNED_TYPES}
     ref_digest, _, size, repository = by_type[REPORT_TYPE]
     assert repository == "tiny-llama"
     blobs = home / "store" / "blobs" / "sha256"
