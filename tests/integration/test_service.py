@@ -101,8 +101,9 @@ def test_submit_follow_events_query_and_dedupe(stack):
 
     client = boto3.client("s3", endpoint_url=stack.s3["KILN_S3_ENDPOINT_URL"], aws_access_key_id="test",
                           aws_secret_access_key="test", region_name="us-east-1")
-    keys = {o["Key"] for o in client.list_objects_v2(Bucket="kiln", Prefix="engines/")["Contents"]}
-    assert f"engines/blobs/sha256/{done['digest'].split(':')[1]}" in keys  # published to S3 over HTTP
+    prefix = stack.s3["KILN_STORE_URL"].removeprefix("s3://kiln/") + "/"  # each service has a store of its own
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket="kiln", Prefix=prefix)["Contents"]}
+    assert f"{prefix}blobs/sha256/{done['digest'].split(':')[1]}" in keys  # published to S3 over HTTP
 
 
 def test_bad_requests(stack):
