@@ -10,7 +10,8 @@ sliding windows, Phi-3's fused projections, Qwen3-MoE's experts) and for every f
 is 15 minutes. Asserted beyond "it passed":
 - the unquantized reference perplexity Kiln reports is the one transformers computes on the same tokens;
 - the compiled engine and the checkpoint artifact of the same quantized weights agree (perplexity to 1e-4
-  relative, logits to 2e-3 absolute: both are float32 computations of one model, differing only by kernel order);
+  relative; 95 % of token positions' logits to float32 rounding, none beyond a flipped FP8 rounding: both are
+  float32 computations of one model, differing only by kernel order);
 - the engine is image-shaped and its provenance names the family."""
 
 from __future__ import annotations
@@ -109,7 +110,15 @@ def test_family_builds_validates_and_publishes_on_both_backends(family, tmp_path
                     == "kiln-hf-checkpoint/1")
     x = torch.randint(0, 2048, (1, 80), generator=torch.Generator().manual_seed(0))
     a, b = AOTInductorRunner(aot_dir).logits(x), CheckpointRunner(ckpt_dir).logits(x)
-    assert (a - b).abs().max().item() < 2e-3
+    # Activation fake-quantization is a step function: a one-ulp difference in a linear's input (kernel order) can
+    # move one value across an FP8 rounding boundary, and that token position's logits then differ by one
+    # quantization step's effect (seen on Gemma 3: one of 80 positions off by 0.004 — a late layer, since the
+    # positions after it agree —, every other position within 2e-6). So nearly every position agrees to float32
+    # rounding, and none by more than a flipped rounding can explain.
+    per_position = (a - b).abs()[0].amax(-1)
+    agree = (per_position < 1e-4).float().mean().item()
+    assert agree >= 0.95, (agree, per_position.tolist())
+    assert per_position.max().item() < 2e-2
     engine = json.loads((aot_dir / "engine.json").read_text())
     assert engine["family"] == family and engine["activation_quant_emulated"] is True
     # a damaged NVFP4 dequantization costs orders of magnitude (DESIGN.md: ×2000 with the nibbles swapped)
