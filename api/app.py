@@ -16,6 +16,7 @@ import kiln
 from api.bodies import SafeJSONResponse
 from api.errors import http_status
 from api.routes import admission, artifacts, builds, dashboard, health, keys, metrics, models, oci, workers
+from kiln.bell import Bell
 from kiln.errors import KilnError
 from kiln.settings import Settings, get_settings
 from kiln.spec import BuildSpec
@@ -47,6 +48,7 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
                   description="CI for inference engines: build, validate and serve engines by digest.")
     app.state.settings = settings
     app.state.sessions = db.session_factory(settings.db_url)
+    app.state.bell = Bell(settings.db_url)  # wakes event-stream readers on commit (kiln/bell.py)
     # The hot reads (resolve, identical build requests) run on autocommit connections: no BEGIN / ROLLBACK.
     app.state.read_engine = db.get_engine(settings.db_url, autocommit=True)
     app.state.read_sessions = sessionmaker(app.state.read_engine, expire_on_commit=False)
@@ -101,6 +103,7 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
+    app.router.on_shutdown.append(app.state.bell.close)
     # Everything imported so far (torch among it: the builder's modules import it) lives as long as the
     # process. Out of the collector's sight, a full collection no longer walks those ~250k objects, which
     # otherwise stalls a request for tens of milliseconds now and then.

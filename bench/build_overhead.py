@@ -4,8 +4,10 @@ rebuild from the cache. Prints ratios.
     python bench/build_overhead.py [--precision fp8] [--profile latency] [--other-profile balanced]
 
 "raw" = the calls the stages make, called directly on the same inputs, in a fresh process (its imports
-included, as a CLI build and a worker pay them): ModelOpt quantize + both exports; torch.export + AOTInductor
-compile of the rebuilt model; loading the package and making the same measurements Kiln's validation makes
+included, as a CLI build and a worker pay them; bench/raw_build.py): ModelOpt quantize, the saved calibration
+and the unified HF export (the only export the stage makes); the engine model built from that export by
+kiln/hfmodel.py (``load_engine_model``, ``LogitsOnly``), torch.export + AOTInductor compile of it; loading the
+package and making the same measurements Kiln's validation makes
 (accuracy against the reference, the throughput sweep, TTFT/TPOT by greedy decoding, peak memory at the
 envelope's corner in a fresh child process). What Kiln adds on top is its own work: spec and keys, checkpoint
 and dataset hashing, the stage cache, gates and the regression comparison, the report, publishing the OCI image
@@ -35,67 +37,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def raw_stages(precision: str, profile_name: str, work: Path, quantize: bool) -> dict[str, float]:
-    """The raw calls; with ``quantize`` false, compile and validate from ``work/hf`` made by an earlier run."""
-    import contextlib
-    import copy
-    import io
-    import shutil
-
-    import torch
-    from torch.export import Dim
-    from transformers import AutoTokenizer
-
-    from kiln.datasets import load_text
-    from kiln.llama import KilnLlama
-    from kiln.quantformat import load_quantized_checkpoint
+    """The raw calls (bench/raw_build.py: the calls the stages make, on the CLI's default calibration and
+    evaluation settings); with ``quantize`` false, compile and validate from ``work/hf`` made by an earlier run."""
+    from bench import raw_build
     from kiln.spec import PROFILES
-    from validation.measure import accuracy, decode_latency, peak_memory, throughput
-    from validation.runners import AOTInductorRunner, TransformersRunner
 
-    src, p = ROOT / "examples" / "tiny-llama", PROFILES[profile_name]
-    t = {}
-    tok = AutoTokenizer.from_pretrained(src)
-    if quantize:
-        import modelopt.torch.quantization as mtq
-        from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
-        from transformers import AutoModelForCausalLM
-
-        t0 = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
-        text, _ = load_text("kiln:calibration", field="x", roots=[ROOT])
-        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0][: 32 * 128].view(32, 128)
-        cfg = copy.deepcopy(mtq.FP8_DEFAULT_CFG if precision == "fp8" else mtq.NVFP4_DEFAULT_CFG)
-        with contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
-            model = mtq.quantize(model, cfg, lambda m: [m(ids[i : i + 8]) for i in range(0, 32, 8)])
-            export_tensorrt_llm_checkpoint(copy.deepcopy(model), "llama", dtype=model.dtype, export_dir=work / "trt",
-                                           inference_tensor_parallel=1)
-            export_hf_checkpoint(copy.deepcopy(model), export_dir=work / "hf")
-        tok.save_pretrained(work / "hf")
-        t["quantize"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    engine_dir = work / f"engine-{profile_name}"
-    m = KilnLlama(load_quantized_checkpoint(work / "hf")).eval()
-    batch = Dim("batch", min=1, max=p.max_batch_size) if p.max_batch_size > 1 else Dim.STATIC
-    with torch.no_grad():
-        ep = torch.export.export(m, (torch.zeros((2 if p.max_batch_size > 1 else 1, 8), dtype=torch.long),),
-                                 dynamic_shapes={"input_ids": {0: batch, 1: Dim("seq", min=1, max=p.max_seq_len)}})
-        engine_dir.mkdir()
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(engine_dir / "model.pt2"))
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "hf_quant_config.json"):
-        if (work / "hf" / name).exists():
-            shutil.copy2(work / "hf" / name, engine_dir / name)
-    (engine_dir / "engine.json").write_text('{"device": "cpu"}')
-    t["compile"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    engine, ref = AOTInductorRunner(engine_dir), TransformersRunner(src)
-    held, _ = load_text("kiln:heldout", field="x", roots=[ROOT])
-    hid = AutoTokenizer.from_pretrained(src)(held, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-    accuracy(engine, ref, hid[: 16384 + 1], min(128, p.max_seq_len), min(p.max_batch_size, 16))
-    throughput(engine, p, 2048)
-    decode_latency(engine, p, 2048)
-    peak_memory(engine, p, 2048, source=("aot-inductor", engine_dir))
-    t["validate"] = time.perf_counter() - t0
-    return t
+    return raw_build.run(ROOT / "examples" / "tiny-llama", work, precision=precision, profile=PROFILES[profile_name],
+                         calib_samples=32, calib_seq_len=128, eval_seq_len=128, eval_max_tokens=16384,
+                         do_quantize=quantize)["seconds"]
 
 
 def cold_env(tmp: Path, **extra: str) -> dict[str, str]:

@@ -90,6 +90,9 @@ def _ping_when_idle(engine: Engine) -> None:
 
 
 def session_factory(url: str) -> sessionmaker[Session]:
+    from kiln import bell
+
+    bell.install()  # a session adding a build event wakes that build's event-stream readers (PostgreSQL NOTIFY)
     return sessionmaker(get_engine(url), expire_on_commit=False)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from datetime import datetime, timezone
 from typing import Any
@@ -116,9 +115,14 @@ def cancel_build(build_id: str, session: SessionDep):
     return JSONResponse(build_read(b), status_code=202 if b.status == "running" else 200)
 
 
+#: a reader re-reads at least this often even if no notification came (kiln/bell.py)
+EVENTS_WAKE_AT_LEAST_S = 2.0
+
+
 @router.get("/{build_id}/events")
 async def build_events(build_id: str, request: Request, sessions: SessionsDep):
-    """Server-sent events: stage changes and status changes, until the build finishes."""
+    """Server-sent events: stage changes and status changes, until the build finishes. The stream is pushed:
+    the reader wakes when the build's events are committed (kiln/bell.py), not on a timer."""
     with sessions() as s:
         _get(s, build_id)
     try:
@@ -126,9 +130,12 @@ async def build_events(build_id: str, request: Request, sessions: SessionsDep):
     except ValueError:
         last = 0
 
+    bell = request.app.state.bell
+
     async def stream():
         nonlocal last
         while True:
+            ticket = bell.ticket(build_id)  # before the read: a commit after it wakes the wait below
             with sessions() as s:
                 events = list(s.scalars(select(BuildEvent).where(BuildEvent.build_id == build_id, BuildEvent.id > last)
                                         .order_by(BuildEvent.id)))
@@ -141,7 +148,7 @@ async def build_events(build_id: str, request: Request, sessions: SessionsDep):
                 return
             if await request.is_disconnected():
                 return
-            await asyncio.sleep(0.3)
+            await bell.wait(ticket, timeout=EVENTS_WAKE_AT_LEAST_S)
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

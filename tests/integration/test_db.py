@@ -76,3 +76,65 @@ def test_a_connection_in_steady_use_is_not_pinged_and_a_drop_costs_one_statement
     assert failed.value.connection_invalidated  # what api/app.py answers 503 for
     with engine.connect() as conn:  # the pool was invalidated: the next checkout connects afresh
         assert conn.execute(sa.text("SELECT 1")).scalar() == 1
+
+
+def test_a_transaction_adding_a_build_event_notifies_listeners_at_commit_only(pg_url):
+    """kiln/bell.py: the NOTIFY rides in the writer's transaction, so a rolled-back event wakes no one, and the
+    API's Bell wakes a reader of that build (and no other) when it commits."""
+    import asyncio
+    import uuid
+
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from kiln.bell import CHANNEL, Bell
+    from kiln.models import Build, BuildEvent
+
+    sessions = db.session_factory(pg_url)
+    ids = []
+    with sessions() as s:
+        for _ in range(2):
+            b = Build(id=uuid.uuid4().hex, request_key="sha256:" + uuid.uuid4().hex * 2, spec={}, queue="q",
+                      status="running")
+            s.add(b)
+            ids.append(b.id)
+        s.commit()
+    watched, other = ids
+    dsn = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {CHANNEL}")
+        with sessions() as s:
+            s.add(BuildEvent(build_id=watched, kind="stage", data={}))
+            s.flush()
+            s.rollback()
+        assert list(listener.notifies(timeout=0.5)) == []  # rolled back: nothing delivered
+        with sessions() as s:
+            s.add(BuildEvent(build_id=watched, kind="stage", data={}))
+            s.add(BuildEvent(build_id=watched, kind="stage", data={}))
+            s.commit()
+        notes = list(listener.notifies(timeout=0.5))
+        assert [(n.channel, n.payload) for n in notes] == [(CHANNEL, watched)]  # one per transaction and build
+
+    async def read() -> tuple[bool, bool]:
+        bell = Bell(pg_url)
+        try:
+            warmup = bell.ticket(watched)
+            for _ in range(100):  # the LISTEN connection comes up
+                if bell._listening:
+                    break
+                await asyncio.sleep(0.05)
+            await bell.wait(warmup, timeout=0.01)
+            mine, theirs = bell.ticket(watched), bell.ticket(other)
+
+            def commit():
+                with sessions() as s:
+                    s.add(BuildEvent(build_id=watched, kind="status", data={"status": "succeeded"}))
+                    s.commit()
+            await asyncio.to_thread(commit)
+            await asyncio.wait_for(bell.wait(mine, timeout=120.0), 60)  # only the notification ends it in time
+            return mine.mark.is_set(), theirs.mark.is_set()
+        finally:
+            await bell.close()
+
+    woke_mine, woke_theirs = asyncio.run(read())
+    assert woke_mine and not woke_theirs
