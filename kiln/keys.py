@@ -20,7 +20,9 @@ from kiln.spec import BuildSpec
 # Bump when a stage's recipe changes in a way that changes its output bytes.
 # 2: the quantize stage exports the unified checkpoint and the calibration (no TensorRT-LLM checkpoint); engines
 #    are transformers' model of the family.
-RECIPE_VERSION = "kiln-recipe-2"
+# 3: aot-inductor GPU engines compute in the checkpoint's dtype (bf16 for bf16 checkpoints), activation fake-quant in
+#    float32.
+RECIPE_VERSION = "kiln-recipe-3"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str) -> str:

@@ -31,7 +31,10 @@ def dequantize_fp8(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor | 
 
 
 def fake_quant_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
+    """Quantize-dequantize with a per-tensor scale, computed in float32 whatever ``x``'s dtype (a bf16 engine's
+    activations round as the exported scale says, not as bf16's 8-bit mantissa would), returned in ``x``'s dtype."""
+    y = x.float()
+    return ((y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)
 
 
 # -- NVFP4 -------------------------------------------------------------------------------------------
@@ -72,6 +75,10 @@ def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quant_nvfp4(x: torch.Tensor, global_scale: float) -> torch.Tensor:
+    """Quantize-dequantize with per-16 block scales (FP8) under a global scale, in float32 (as
+    :func:`fake_quant_fp8`), returned in ``x``'s dtype."""
+    if x.dtype != torch.float32:
+        return fake_quant_nvfp4(x.float(), global_scale).to(x.dtype)
     shape = x.shape
     blocks = x.reshape(-1, NVFP4_GROUP)
     amax = blocks.abs().amax(dim=-1, keepdim=True)

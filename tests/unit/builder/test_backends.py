@@ -259,3 +259,18 @@ def test_checkpoint_backend_copies_the_hf_export_and_writes_engine_json(nvfp4_ex
     assert engine == {"format": "kiln-hf-checkpoint/1", "precision": "nvfp4", "kv_cache": "fp8",
                       "profile": PROFILES["balanced"].model_dump(), "target": "sm90"}
     assert not (nvfp4_export / "hf" / "engine.json").exists()  # the shared export is untouched
+
+
+@pytest.mark.parametrize("target,config,expected", [
+    ("cpu", {"dtype": "bfloat16"}, "float32"),  # a cpu engine computes in float32 (no native bf16 on most CPUs)
+    ("sm90", {"dtype": "bfloat16"}, "bfloat16"),  # a GPU engine computes in the checkpoint's own dtype
+    ("sm100", {"torch_dtype": "float16"}, "float16"),
+    ("sm90", {"dtype": "float32"}, "float32"),
+    ("sm90", {}, "float32"),
+])
+def test_the_aot_inductor_engine_computes_in_the_checkpoints_dtype_on_gpu_targets(target, config, expected):
+    import torch
+
+    from builder.backends.aot_inductor import compute_dtype
+
+    assert compute_dtype(target, config) == getattr(torch, expected)

@@ -161,3 +161,19 @@ def test_directory_without_safetensors_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(StageFailed, match="safetensors"):
         load_exported(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("which", ["fp8", "nvfp4"])
+def test_activation_fake_quant_rounds_in_float32_whatever_the_engines_dtype(dtype, which):
+    """A bf16/fp16 engine's activations are quantized as the exported scale says: the same codes as the float32
+    computation of the same values (bf16's 8-bit mantissa would move values across rounding boundaries)."""
+    from kiln.precisions import fake_quant_fp8, fake_quant_nvfp4
+
+    fq, scale = (fake_quant_fp8, 0.0173) if which == "fp8" else (fake_quant_nvfp4, 0.0011)
+    x = (torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    out = fq(x, scale)
+    assert out.dtype == dtype
+    assert torch.equal(out, fq(x.float(), scale).to(dtype))
+    # and it is a quantizer: far fewer distinct values than the input has
+    assert out.float().unique().numel() < x.float().unique().numel() / 4
