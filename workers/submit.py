@@ -50,23 +50,48 @@ def choose_queue(workers: list, spec: BuildSpec) -> str:
 
 #: What routing and dedupe need of the workers (plain rows, not ORM objects: read on every request).
 WORKERS = select(Worker.name, Worker.queues, Worker.capabilities, Worker.last_heartbeat)
-#: The newest engine with one of the BuildKeys, and the first build that produced it (one statement).
+#: Every engine with one of the BuildKeys (not revoked), newest first, each with the first build that produced
+#: it: one statement answers a whole matrix.
 EXISTING = (select(Artifact, Build).outerjoin(Build, Build.digest == Artifact.digest)
             .where(Artifact.build_key.in_(bindparam("keys", expanding=True)), Artifact.status != "revoked")
-            .order_by(Artifact.created_at.desc(), Build.created_at).limit(1))
+            .order_by(Artifact.created_at.desc(), Build.created_at))
 
 
 def submit(settings: Settings, sessions: sessionmaker[Session], spec: BuildSpec, enqueue: Enqueue, *,
            reads: sessionmaker[Session] | None = None) -> Submitted:
-    """``reads``: sessions for the lookups, on autocommit connections where the caller has them (the API: an
-    identical request is answered by two statements and no transaction)."""
-    prepared, _ = Builder(settings, None, sessions).prepare(spec, check_environment=False)
+    """One spec; see :func:`submit_many`."""
+    return submit_many(settings, sessions, [spec], enqueue, reads=reads)[0]
+
+
+def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list[BuildSpec], enqueue: Enqueue, *,
+                reads: sessionmaker[Session] | None = None) -> list[Submitted]:
+    """Submit specs (one request, or a matrix), answered in order. Those whose engine exists are answered from
+    the database by two statements whatever their number — the workers (routing and their toolchains' keys) and
+    the engines with any of the candidate keys —, never from a process-local cache (a revoke by another API
+    process is seen at once). ``reads``: sessions on autocommit connections where the caller has them (the API:
+    no transaction for the lookups). The rest are created one by one, each committed before it is enqueued."""
+    builder = Builder(settings, None, sessions)
+    prepared = [builder.prepare(spec, check_environment=False)[0] for spec in specs]
     with (reads or sessions)() as session:
         workers = session.execute(WORKERS).all()
-        queue = choose_queue(workers, spec)
-        found = session.execute(EXISTING, {"keys": sorted(candidate_keys(workers, prepared, queue))}).first()
-        if found is not None:
-            return Submitted("existing-artifact", found.Build, found.Artifact)
+        queues = [choose_queue(workers, spec) for spec in specs]
+        candidates = [candidate_keys(workers, p, q) for p, q in zip(prepared, queues)]
+        rows = session.execute(EXISTING, {"keys": sorted(set().union(*candidates))}).all()
+    newest: dict[str, tuple] = {}
+    for row in rows:  # newest first: the first row of a key is its answer
+        newest.setdefault(row.Artifact.build_key, row)
+    out: list[Submitted] = []
+    for spec, p, queue, keys in zip(specs, prepared, queues, candidates):
+        found = [newest[k] for k in keys if k in newest]
+        if found:
+            row = max(found, key=lambda r: r.Artifact.created_at)
+            out.append(Submitted("existing-artifact", row.Build, row.Artifact))
+        else:
+            out.append(_create(sessions, spec, p, queue, workers, enqueue))
+    return out
+
+
+def _create(sessions, spec: BuildSpec, prepared, queue: str, workers, enqueue: Enqueue) -> Submitted:
     build = Build(id=uuid.uuid4().hex, request_key=prepared.request_key, active_key=prepared.request_key,
                   spec=spec.model_dump(), queue=queue, status="queued", stages=[], attempts=0,
                   cancel_requested=False, reason=waiting_reason(workers, queue, spec.backend, spec.target))

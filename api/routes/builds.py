@@ -18,7 +18,7 @@ from kiln.models import TERMINAL, Build, BuildEvent
 from kiln.spec import BuildSpec, parse_spec
 from kiln.states import request_cancel
 from workers.registry import waiting_reason
-from workers.submit import submit
+from workers.submit import submit_many
 
 router = APIRouter(prefix="/v1/builds", tags=["builds"])
 MAX_MATRIX = 64
@@ -59,8 +59,8 @@ def create_builds(request: Request, settings: SettingsDep, sessions: SessionsDep
     """Submit a build spec, or {"matrix": [specs]}."""
     specs = _specs(body, settings.roots)
     answers, created = [], False
-    for spec in specs:
-        result = submit(settings, sessions, spec, request.app.state.enqueue, reads=request.app.state.read_sessions)
+    for result in submit_many(settings, sessions, specs, request.app.state.enqueue,
+                              reads=request.app.state.read_sessions):
         created |= result.outcome == "created"
         if result.outcome == "existing-artifact":
             answers.append(artifact_answer(result.artifact, result.build))

@@ -148,6 +148,43 @@ def test_submit_answers_from_an_engine_built_with_a_live_workers_toolchain(env, 
     assert len(broker.sent) == 1
 
 
+def test_a_matrix_is_answered_by_two_statements_whatever_its_size_each_entry_by_its_own_engine(env, tmp_path):
+    """A matrix of existing engines is answered from the database (never a process-local cache) by the same two
+    reads as one request: the workers, and the engines with any entry's candidate keys. Each entry gets the engine
+    of its own key; an entry whose engine was revoked, and one never built, are created (in order)."""
+    from sqlalchemy import event
+
+    from workers.submit import submit_many
+
+    settings, sessions, broker = env
+    entries = [{**CPU, "profile": p, "precision": q} for p in ("latency", "balanced", "throughput")
+               for q in ("fp8", "nvfp4")]
+    specs = [spec_of(settings, e) for e in entries]
+    engines = [publish_for(settings, sessions, sp, prepared(settings, sessions, sp).build_key, tmp_path / str(i))
+               for i, sp in enumerate(specs[:4])]
+    with sessions() as s:
+        move_artifact(s, s.get(Artifact, engines[3].digest), "revoked", reason="bad")
+        s.commit()
+    reads = db.session_factory(settings.db_url)
+    seen = []
+    engine = reads.kw["bind"]
+    listener = lambda *a: seen.append(a[2])  # noqa: E731  (the statement)
+    event.listen(engine, "before_cursor_execute", listener)
+    try:
+        existing = submit_many(settings, sessions, specs[:3], broker, reads=reads)
+        lookups = len(seen)
+        answers = submit_many(settings, sessions, specs, broker, reads=reads)
+    finally:
+        event.remove(engine, "before_cursor_execute", listener)
+    assert lookups == 2 and all(st.lstrip().upper().startswith("SELECT") for st in seen[:2])
+    assert [a.outcome for a in existing] == ["existing-artifact"] * 3
+    assert [a.artifact.digest for a in existing] == [e.digest for e in engines[:3]]
+    assert [a.outcome for a in answers] == ["existing-artifact"] * 3 + ["created"] * 3
+    assert [a.artifact.digest for a in answers[:3]] == [e.digest for e in engines[:3]]
+    assert [b for b, _ in broker.sent] == [a.build.id for a in answers[3:]]
+    assert len({a.build.id for a in answers[3:]}) == 3
+
+
 def test_a_revoked_engine_does_not_answer_a_submit(env, tmp_path):
     settings, sessions, broker = env
     spec = spec_of(settings, CPU)
