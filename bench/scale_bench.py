@@ -221,11 +221,13 @@ class Sampler(threading.Thread):
         self.root, self.t0, self.samples, self.done = root, t0, [], threading.Event()
 
     def run(self) -> None:
+        period, due = 1 / SAMPLE_HZ, time.perf_counter()
         while not self.done.is_set():
             total, main, n = tree_rss(self.root)
             if n:
                 self.samples.append((time.perf_counter() - self.t0, total, main, n))
-            self.done.wait(1 / SAMPLE_HZ)
+            due = max(due + period, time.perf_counter())  # a fixed rate; a late sample is not made up for
+            self.done.wait(due - time.perf_counter())
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -485,8 +487,8 @@ def report_size(size: str, info: dict, rounds: list[dict]) -> dict:
           f"decode batch sizes {kv['decode_points']}; same work as raw: {'yes' if same else 'NO'}; "
           f"gates {'passed' if kv['passed'] else 'failed (every stage still ran; the engine is stored as rejected)'}")
     e = rows["end to end"]
-    print(f"   end to end: kiln {num(e['kiln_s'])} s / raw {num(e['raw_s'])} s = {num(e['ratio'], '{:.3f}')} "
-          f"(rounds: {', '.join(f'{x:.3f}' for x in e['ratios'])}; target ≤ 1.10: "
+    print(f"   end to end: kiln {num(e['kiln_s'])} s / raw {num(e['raw_s'])} s = {num(e['ratio'], '{:.4f}')} "
+          f"(rounds: {', '.join(f'{x:.4f}' for x in e['ratios'])}; target ≤ 1.10: "
           f"{'met' if e['ratio'] <= 1.10 else 'NOT met'})")
     return {"rows": rows, "quantize_memory": {"kiln": kq, "raw": rq, "model_bytes": mb, "activation_allowance_bytes": act,
                                               "limit_bytes": limit, "import_growth_bytes": imports,
@@ -534,10 +536,10 @@ def write_chart(results: dict, path: Path) -> None:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         return
-    path.write_text(svg_chart(series))
+    path.write_text(svg_chart(series, {name: v["model"]["params"] for name, v in results["sizes"].items()}))
 
 
-def svg_chart(series: dict) -> str:
+def svg_chart(series: dict, sizes: dict[str, int] | None = None) -> str:
     w, h, left, right, top, bottom = 760, 460, 70, 190, 40, 56
     pw, ph = w - left - right, h - top - bottom
     xs = [p for s in series.values() for side in s.values() for p, _ in side]
@@ -567,6 +569,8 @@ def svg_chart(series: dict) -> str:
         y = py(10**e)
         body.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#e2e8f0"/>')
         body.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{10.0**e:g} s</text>')
+    for name, p in (sizes or {}).items():  # which size each column of points is
+        body.append(f'<text x="{px(p):.1f}" y="{top + ph - 6}" text-anchor="middle" fill="#718096">{escape(name)}</text>')
     body.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#a0aec0"/>')
     body.append(f'<text x="{left + pw / 2}" y="{h - 12}" text-anchor="middle">parameters (log)</text>')
     body.append(f'<text x="16" y="{top + ph / 2}" transform="rotate(-90 16 {top + ph / 2})" '
@@ -624,6 +628,7 @@ def main() -> None:
     ap.add_argument("--chart", type=Path, help="chart of seconds per stage vs parameters (.svg, or .png with matplotlib)")
     ap.add_argument("--workdir", type=Path, help="where the runs' temporary folders go (default: the system's)")
     ap.add_argument("--models-dir", type=Path, help="keep the generated checkpoints here and reuse them")
+    ap.add_argument("--from-json", type=Path, help="with --chart: draw the chart of an earlier --out file, run nothing")
     ap.add_argument("--raw-child", help=argparse.SUPPRESS)
     ap.add_argument("--make-checkpoint", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -632,6 +637,12 @@ def main() -> None:
         return
     if args.make_checkpoint:
         make_checkpoint(args.make_checkpoint[0], Path(args.make_checkpoint[1]))
+        return
+    if args.from_json:
+        if not args.chart:
+            ap.error("--from-json needs --chart")
+        write_chart(json.loads(args.from_json.read_text()), args.chart)
+        print(f"chart: {args.chart}")
         return
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]

@@ -93,13 +93,21 @@ class Builder:
         self.should_cancel = should_cancel or (lambda: False)
 
     # -- planning --------------------------------------------------------------------------------
-    def prepare(self, spec: BuildSpec, *, check_environment: bool = True) -> tuple[Prepared, StageRecord]:
+    def prepare(self, spec: BuildSpec, *, check_environment: bool = True,
+                identified: dict | None = None) -> tuple[Prepared, StageRecord]:
+        """Keys and checks, before any work. ``identified``: checkpoint identities already taken in this request
+        (ref → identity), so that a matrix identifies each checkpoint once, not once per entry."""
         if check_environment:  # fail at once on the wrong machine, before any work
             get_backend(spec.backend).check_environment(spec)
         self.on_event("stage", {"name": "resolve", "state": "started"})
         t = time.perf_counter()
         # identify only (no weights downloaded): the API runs this too; build() materializes on the worker
-        resolved, was_cached = identify_checkpoint(spec.checkpoint, **self._checkpoint_args())
+        if identified is not None and spec.checkpoint in identified:
+            resolved, was_cached = identified[spec.checkpoint]
+        else:
+            resolved, was_cached = identify_checkpoint(spec.checkpoint, **self._checkpoint_args())
+            if identified is not None:
+                identified[spec.checkpoint] = (resolved, was_cached)
         config = resolved.config
         check_model(spec, config)
         roots = self.settings.roots

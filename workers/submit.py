@@ -71,7 +71,8 @@ def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list
     process is seen at once). ``reads``: sessions on autocommit connections where the caller has them (the API:
     no transaction for the lookups). The rest are created one by one, each committed before it is enqueued."""
     builder = Builder(settings, None, sessions)
-    prepared = [builder.prepare(spec, check_environment=False)[0] for spec in specs]
+    identified: dict = {}  # this request's checkpoint identities: a matrix identifies each checkpoint once
+    prepared = [builder.prepare(spec, check_environment=False, identified=identified)[0] for spec in specs]
     with (reads or sessions)() as session:
         workers = session.execute(WORKERS).all()
         queues = [choose_queue(workers, spec) for spec in specs]
