@@ -8,6 +8,8 @@ Where things are:
 * **In the database**: ``stage_outputs`` maps the stage key to that blob's digest (the store is addressed by digest
   only, and every worker reaches the database). The row is written after the blob, so a row never names a
   missing blob; ``kiln gc`` drops rows no engine needs (``builder/gc.py``).
+* **Produced once**: a build that finds neither claims the key first (``stage_claims``); builds needing the same
+  output meanwhile, on any worker, wait for it to appear in the store (``builder/claims.py``).
 * **On the worker's disk** (``KILN_HOME/cache/<stage>/<key hex>``, with ``.complete`` holding the stage record):
   a miss there downloads the blob, unpacks it into a staging folder while hashing it, checks the digest and renames
   the folder into place. Entries are evicted least recently used first once their total passes
@@ -27,6 +29,7 @@ import logging
 import os
 import shutil
 import tarfile
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -37,6 +40,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.interfaces import BlobStore
 from artifacts.tarball import ChunkReader, HashingReader, tar_chunks, unpack_tar
+from builder.claims import StageClaims
 from kiln.errors import BlobUnknown
 from kiln.models import StageOutput
 
@@ -90,8 +94,13 @@ class StageCache:
     """The stage outputs of one build's worth of work: :meth:`get` an output (local, else from the store, else
     produced and stored), then :meth:`release` what the build held."""
 
-    def __init__(self, root: Path, store: BlobStore | None, sessions: sessionmaker[Session], *, max_bytes: int):
+    #: how often a build waiting for another worker's output looks for it
+    WAIT_POLL_S = 1.0
+
+    def __init__(self, root: Path, store: BlobStore | None, sessions: sessionmaker[Session], *, max_bytes: int,
+                 claims: StageClaims | None = None):
         self.root, self.store, self.sessions, self.max_bytes = Path(root), store, sessions, max_bytes
+        self.claims = claims if claims is not None else (StageClaims(sessions) if sessions is not None else None)
         self._pins: list[int] = []
 
     def path(self, stage: str, key: str) -> Path:
@@ -111,18 +120,36 @@ class StageCache:
         """The output directory for ``key``, held until :meth:`release`, and the stage record when it was
         produced here (None when it was reused). ``produce`` writes a fresh output into the folder it is given."""
         final = self.path(stage, key)
+        if self._reuse(stage, key, final):
+            return final, None
+        # another build (any worker) may be producing it right now: one producer per key (builder/claims.py)
+        while self.claims is not None and not self.claims.try_claim(key):
+            time.sleep(self.WAIT_POLL_S)
+            if self._reuse(stage, key, final):
+                return final, None
+        if self.claims is None:
+            return final, self._produce_and_store(stage, key, final, produce)
+        with self.claims.renewing(key):
+            if self._reuse(stage, key, final):  # the holder before us finished between our look and our claim
+                return final, None
+            return final, self._produce_and_store(stage, key, final, produce)
+
+    def _reuse(self, stage: str, key: str, final: Path) -> bool:
         if self._pin(final):
             self._used(stage, key, final)
-            return final, None
+            return True
         if self._download(stage, key, final) and self._pin(final):
             self._used(stage, key, final, stored=True)
-            return final, None
+            return True
+        return False
+
+    def _produce_and_store(self, stage: str, key: str, final: Path, produce: Callable[[Path], dict]) -> dict:
         record = self._produce(final, produce)
         if not self._pin(final):  # only an eviction racing this very call could remove it; say so loudly
             raise RuntimeError(f"stage output {final} vanished as it was made")
         self._upload(stage, key, final)
         self.evict()
-        return final, record
+        return record
 
     def release(self) -> None:
         """Unpin every output this cache handed out (the build is over) and evict down to the budget."""

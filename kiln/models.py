@@ -200,6 +200,18 @@ class StageOutput(Base):
     last_used_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
 
+class StageClaim(Base):
+    """A worker producing a stage output (builder/claims.py): of the builds that need one quantize or compile
+    output at once, on whatever workers, one produces it and the others wait for it. ``expires_at`` moves on while
+    the holder works; a claim whose holder died lapses and is taken over."""
+
+    __tablename__ = "stage_claims"
+
+    key: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    holder: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 class BlobLease(Base):
     """A claim on a blob (builder/leases.py). ``purpose`` "use": a writer relies on the blob (dedupe) and has not
     yet recorded a reference to it; "sweep": GC is about to delete it. Each side writes its row, then reads the

@@ -174,3 +174,62 @@ def test_a_dead_producers_staging_folder_is_swept_and_a_live_ones_kept(tmp_path,
     cache.get("quantize", KEY_A, produce)
     cache.release()
     assert seen == {"live_kept": True, "dead_gone": True}
+
+
+def test_builds_needing_one_output_at_once_on_several_workers_produce_it_once(tmp_path, shared, monkeypatch):
+    """A matrix's builds start together on three workers (threads here; each its own disk): one claims the key and
+    calibrates, the others wait and fetch its output from the store — one production, three equal outputs."""
+    import threading
+
+    monkeypatch.setattr(StageCache, "WAIT_POLL_S", 0.05)
+    caches = [worker(tmp_path, shared, n) for n in "abc"]
+    calls: list = []
+    started = threading.Barrier(3)
+
+    def slow(out: Path) -> dict:
+        time.sleep(0.5)  # long enough that the others look while it runs
+        return producer(calls)(out)
+
+    results: dict = {}
+
+    def run(cache: StageCache, name: str) -> None:
+        started.wait()
+        results[name] = cache.get("quantize", KEY_A, slow)
+
+    threads = [threading.Thread(target=run, args=(c, n)) for c, n in zip(caches, "abc")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(calls) == 1
+    assert sorted(r is None for _, r in results.values()) == [False, True, True]  # one produced, two reused
+    trees = [tree(path) for path, _ in results.values()]
+    assert trees[0] == trees[1] == trees[2]
+    with shared[0]() as s:
+        from kiln.models import StageClaim
+        assert s.scalars(select(StageClaim)).all() == []  # released after the production
+
+
+def test_a_claim_whose_holder_died_lapses_and_is_taken_over(tmp_path, shared, monkeypatch):
+    from builder.claims import StageClaims
+
+    monkeypatch.setattr(StageCache, "WAIT_POLL_S", 0.05)
+    sessions, _ = shared
+    dead = StageClaims(sessions, ttl_s=0.3, holder="dead-worker")
+    assert dead.try_claim(KEY_B)  # and never renewed nor released: its worker was killed
+    assert not StageClaims(sessions, ttl_s=0.3).try_claim(KEY_B)  # live: another holder cannot take it
+    calls: list = []
+    path, record = worker(tmp_path, shared, "a").get("quantize", KEY_B, producer(calls))
+    assert len(calls) == 1 and record is not None and (path / "weights.bin").is_file()
+
+
+def test_a_holder_renews_its_claim_while_it_produces(tmp_path, shared):
+    from builder.claims import StageClaims
+
+    sessions, _ = shared
+    holder, other = StageClaims(sessions, ttl_s=0.3), StageClaims(sessions, ttl_s=0.3)
+    assert holder.try_claim(KEY_C)
+    with holder.renewing(KEY_C):
+        time.sleep(0.8)  # well past one TTL: renewed every 0.1 s
+        assert not other.try_claim(KEY_C)
+    assert other.try_claim(KEY_C)  # released when the body ended
