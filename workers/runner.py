@@ -36,6 +36,29 @@ class EventRecorder:
             s.commit()
 
 
+def redact(value, settings: Settings):
+    """``value`` (an error dict, a message) with the worker's own paths named, not shown: its home (cache,
+    staging folders), the temporary directory, the working directory and ``$HOME`` become ``$KILN_HOME``,
+    ``$TMPDIR``, ``$PWD`` and ``~``. Whoever reads a build (``artifacts:read``) learns what failed, not where this
+    machine keeps things (a path under one of them, a checkpoint's among them, is shown under its name)."""
+    import os
+    import tempfile
+
+    if isinstance(value, dict):
+        return {k: redact(v, settings) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v, settings) for v in value]
+    if not isinstance(value, str):
+        return value
+    places = [(str(settings.home_dir.resolve()), "$KILN_HOME"), (str(settings.home_dir), "$KILN_HOME"),
+              (os.path.realpath(tempfile.gettempdir()), "$TMPDIR"), (tempfile.gettempdir(), "$TMPDIR"),
+              (os.getcwd(), "$PWD"), (os.path.expanduser("~"), "~")]
+    for path, name in sorted(places, key=lambda p: -len(p[0])):  # the longest first: home may lie under /tmp
+        if len(path) > 1:
+            value = value.replace(path.rstrip("/") + "/", name + "/").replace(path, name) if path in value else value
+    return value
+
+
 def _finish(sessions, build_id: str, status: str, **fields) -> None:
     with sessions() as s:
         move_build(s, s.get(Build, build_id), status, **fields)
@@ -110,11 +133,12 @@ def run_build(build_id: str, settings: Settings, worker_name: str, *, last_try: 
             return "failed"
         raise
     except KilnError as exc:
-        _finish(sessions, build_id, "failed", error=exc.to_dict(), reason=exc.code)
+        _finish(sessions, build_id, "failed", error=redact(exc.to_dict(), settings), reason=exc.code)
         return "failed"
-    except Exception as exc:  # a bug or a library crash: recorded, not retried
+    except Exception as exc:  # a bug or a library crash: recorded (the full trace in the worker's log), not retried
         log.exception("build %s crashed", build_id)
-        _finish(sessions, build_id, "failed", error={"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"},
+        _finish(sessions, build_id, "failed", error=redact({"code": "internal_error",
+                                                            "message": f"{type(exc).__name__}: {exc}"}, settings),
                 reason="internal_error")
         return "failed"
     stages = [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3)} for s in outcome.stages]

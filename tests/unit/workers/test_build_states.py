@@ -598,3 +598,30 @@ def test_an_engine_leaving_fresh_loses_only_its_own_tags(env, tmp_path):
             move_artifact(s, a, "revoked", reason="x")
         assert e.value.fix == "a archived engine is final"
         s.rollback()
+
+
+def test_a_failed_builds_recorded_error_names_the_workers_places_not_its_paths(env, tmp_path, monkeypatch):
+    """What ``artifacts:read`` sees of a failure: no absolute path of the worker's home, temp dir, cwd or $HOME."""
+    import os
+    import tempfile
+
+    from kiln.errors import StageFailed
+
+    settings, sessions, broker = env
+    home = str(settings.home_dir)
+    made = submit(settings, sessions, spec_of(settings, CPU), broker)
+    cache = f"{home}/cache/compile/.staging-1/out"
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.chdir(tmp_path)
+
+    def crash(self, spec):
+        raise StageFailed(f"AOTInductor compile failed writing {cache}/model.pt2 "
+                          f"(scratch {tempfile.gettempdir()}/torchinductor_x, cwd {os.getcwd()}, ~ {tmp_path / 'user'}/x)")
+
+    monkeypatch.setattr(Builder, "build", crash)
+    assert runner.run_build(made.build.id, settings, "w1") == "failed"
+    err = row(sessions, made.build.id).error
+    assert err["code"] == "stage_failed"
+    assert "$KILN_HOME/cache/compile/.staging-1/out/model.pt2" in err["message"]
+    for leaked in (home, str(tmp_path), tempfile.gettempdir() + "/"):
+        assert leaked not in json.dumps(err), (leaked, err)
