@@ -11,8 +11,9 @@ gates, report, layer survey or publish.
   quantizers' buffers: ``calibration/calibration.pt``), ``export_hf_checkpoint`` into ``hf/`` (in place, no
   copy of the model), the tokenizer saved beside it. Only the unified HF checkpoint: the stage exports nothing
   else.
-- compile: the engine model from ``hf/`` by ``kiln.hfmodel.load_engine_model(for_export=True)`` (transformers'
-  own model of the family, float32, weights dequantized, activation quantization emulated) wrapped in
+- compile: the engine model from ``hf/`` by ``kiln.hfmodel.load_engine_model(dtype=…, for_export=True)``
+  (transformers' own model of the family in the backend's compute dtype, ``compute_dtype``: float32 for the cpu
+  target; weights dequantized, activation quantization emulated) wrapped in
   ``LogitsOnly``; ``torch.export.export(strict=False)`` with the profile's limits as dynamic shapes;
   ``torch._inductor.aoti_compile_and_package``.
 - validate: ``AOTInductorRunner`` over the package and ``TransformersRunner`` over the source checkpoint
@@ -122,9 +123,12 @@ def compile(hf: Path, engine_dir: Path, profile, *, mem: Memory) -> None:  # noq
     import torch
     from torch.export import Dim
 
+    from builder.backends.aot_inductor import compute_dtype
     from kiln.hfmodel import LogitsOnly, load_engine_model
 
-    built = load_engine_model(hf, for_export=True, device="cpu")
+    # the stage's choice of compute dtype (float32 for the cpu target), then the same call
+    dtype = compute_dtype("cpu", json.loads((hf / "config.json").read_text()))
+    built = load_engine_model(hf, dtype=dtype, for_export=True, device="cpu")
     model = LogitsOnly(built.model).eval()
     mem.step("compile.engine_model")
     b = profile.max_batch_size

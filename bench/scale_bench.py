@@ -33,17 +33,24 @@ raw: ``time.perf_counter`` around each stage in its process; end to end: each pr
 included) and peak RSS, sampled from outside at ~20 Hz: the sum of the RSS (``/proc/<pid>/stat``) of the process
 and all its descendants (TorchInductor's compile workers, the compiler, the peak-memory probe), each sample
 attributed to the stage running at that moment — Kiln's stage boundaries are the stage lines ``kiln build``
-prints to stderr as each stage finishes, raw's the marks its process prints as each stage starts. Shared pages
-count once per process; a peak shorter than 50 ms can be missed (each process's own exact peak, VmHWM, is
-recorded beside it).
+prints to stderr as each stage finishes, raw's the marks its process prints as each stage starts. RSS counts
+file-backed pages too (an AOTInductor package's mapped ``.so``), and a page shared by several processes counts
+in each; a peak shorter than a sampling period can be missed (each main process's exact peak is recorded beside
+it: ``ru_maxrss`` from ``wait4`` for Kiln, the largest VmHWM of its steps for raw, whose process resets VmHWM
+between steps to record them: bench/raw_build.py).
 
-Targets (issue 17): end to end ≤ 1.10 × raw at every size; quantize peak memory ≤ 1.5 × the unquantized model in
-its own dtype plus calibration activations (judged on the stage's growth over the RSS it started from: the
-interpreter and the libraries are not the model); validation's cost bounded by ``evaluation.max_tokens`` and the
-sweep (the same work as raw's, at the same cost).
+Targets: end to end ≤ 1.10 × raw at every size; quantize peak memory ≤ 1.5 × the unquantized model in its own
+dtype plus calibration activations (one calibration batch's logits and one layer's MLP intermediates), judged
+on the stage's growth over the RSS it started from less what the libraries it imports take (ModelOpt and
+transformers' model classes: the CLI preloads nothing; measured in raw's process, which imports them first);
+validation's cost bounded by ``evaluation.max_tokens`` and the sweep (the same work as raw's, at the same cost).
+
+``--rounds N``: Kiln and raw alternate going first; per stage the medians are printed and each ratio is the
+median of the per-round ratios.
 
 ``--out`` writes every measurement (the RSS samples included) as JSON; ``--chart`` draws seconds per stage
-against parameter count (log-log) for Kiln and raw: SVG written directly, or PNG when matplotlib is importable.
+against parameter count (log-log) for Kiln and raw: SVG written directly, or PNG when matplotlib is importable
+(``--from-json results.json --chart chart.svg`` redraws it from an earlier ``--out`` without running anything).
 """
 
 from __future__ import annotations
