@@ -485,3 +485,93 @@ def test_throughput_with_trtllm_bench_failure_and_missing_pieces(engine_dir, tmp
     if trtllm.shutil.which("trtllm-bench") is None:
         with pytest.raises(ToolchainMissing, match="trtllm-bench is not installed"):
             TRTLLMRunner.throughput_with_trtllm_bench(engine_dir, PROFILES["latency"])
+
+
+# -- the engine check against a RECONSTRUCTED TensorRT-LLM 1.2.x config.json ----------------------------------
+# data/trtllm-1.2-llama3-fp8-engine-config.json is what `trtllm-build` 1.2.x writes (Engine.save ->
+# EngineConfig.to_dict) for a Llama-3.1-8B FP8 / FP8-KV engine built with build_argv's flags and the `latency`
+# profile, reconstructed field by field from TensorRT-LLM's source; data/…SOURCE.md names the commits and what
+# every section comes from. It is NOT the output of a real build (none has run here), but nothing in it is written
+# to suit check_engine_config.
+REAL_CONFIG = Path(__file__).resolve().parent / "data" / "trtllm-1.2-llama3-fp8-engine-config.json"
+
+
+def real_config() -> dict:
+    return json.loads(REAL_CONFIG.read_text())
+
+
+def real_spec():
+    """The spec that engine was built for: FP8 weights, FP8 KV cache, sm90, the latency profile, tp 1."""
+    return spec(kv_cache="fp8", profile="latency", tp_size=1)
+
+
+def test_reconstructed_engine_config_is_what_build_argv_asks_for():
+    cfg, s = real_config(), real_spec()
+    argv = build_argv(s, Path("/ckpt"), Path("/out"))
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    build, pretrained = cfg["build_config"], cfg["pretrained_config"]
+    for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens"):
+        assert build[name] == int(flags[f"--{name}"]) == PROFILES["latency"].limits()[name]
+    assert build["plugin_config"]["gemm_plugin"] == flags["--gemm_plugin"] == "auto"  # kept as given, not resolved
+    assert build["plugin_config"]["use_paged_context_fmha"] is build["plugin_config"]["use_fp8_context_fmha"] is True
+    assert pretrained["mapping"]["tp_size"] == int(flags["--workers"]) == 1
+    assert set(cfg) == {"version", "pretrained_config", "build_config"}
+    assert "dry_run" not in build and "visualize_network" not in build  # EngineConfig.to_dict drops them
+
+
+def test_reconstructed_trtllm_engine_config_matches_its_spec():
+    assert check_engine_config(real_config(), real_spec()) == []
+    assert check_engine_version(real_config(), "1.2.1") == []
+
+
+def _set(cfg: dict, dotted: str, value) -> dict:
+    node = cfg
+    *path, last = dotted.split(".")
+    for key in path:
+        node = node[key]
+    node[last] = value
+    return cfg
+
+
+@pytest.mark.parametrize(("dotted", "value", "named"), [
+    ("pretrained_config.quantization.quant_algo", "NVFP4", "quant_algo"),
+    ("pretrained_config.quantization.quant_algo", None, "quant_algo"),
+    ("pretrained_config.quantization.kv_cache_quant_algo", None, "kv_cache_quant_algo"),
+    ("pretrained_config.quantization.kv_cache_quant_algo", "INT8", "kv_cache_quant_algo"),
+    ("build_config.max_batch_size", 8, "build_config.max_batch_size"),
+    ("build_config.max_num_tokens", 256, "build_config.max_num_tokens"),
+    ("build_config.kv_cache_type", "CONTINUOUS", "kv_cache_type"),
+    ("build_config.plugin_config.paged_kv_cache", False, "paged_kv_cache"),
+    ("pretrained_config.mapping.tp_size", 2, "mapping.tp_size"),
+    ("build_config.gather_context_logits", True, "gather_context_logits"),
+    ("build_config.plugin_config.use_fp8_context_fmha", False, "use_fp8_context_fmha"),
+], ids=lambda v: str(v))
+def test_one_wrong_field_of_the_reconstructed_config_is_one_problem_naming_it(dotted, value, named):
+    [problem] = check_engine_config(_set(real_config(), dotted, value), real_spec())
+    assert named in problem
+
+
+def test_a_continuous_kv_cache_engine_as_trtllm_writes_it_is_one_problem():
+    # BuildConfig.update_kv_cache_type keeps kv_cache_type and plugin_config.paged_kv_cache in step: a
+    # --kv_cache_type continuous build writes both. Kiln reports it once.
+    cfg = _set(_set(real_config(), "build_config.kv_cache_type", "CONTINUOUS"),
+               "build_config.plugin_config.paged_kv_cache", False)
+    [problem] = check_engine_config(cfg, real_spec())
+    assert "not paged" in problem and "'CONTINUOUS'" in problem and "paged_kv_cache False" in problem
+
+
+@pytest.mark.parametrize("spelling", ["PAGED", "paged", "KVCacheType.PAGED"])
+def test_kv_cache_type_is_read_in_every_spelling_trtllm_has_used(spelling):
+    # "PAGED": BuildConfig.to_dict writes the enum's name. "paged": the value of 1.2's Python KVCacheType(str, Enum)
+    # (llmapi/kv_cache_type.py), what a JSON-mode pydantic dump of the migrated BuildConfig would write.
+    # "KVCacheType.PAGED": str() of the pybind enum, ConfigEncoder's input.
+    cfg = _set(real_config(), "build_config.kv_cache_type", spelling)
+    assert check_engine_config(cfg, real_spec()) == []
+
+
+def test_the_reconstructed_fp8_engine_refuses_specs_it_was_not_built_for():
+    cfg = real_config()
+    assert {p.split(" is ")[0] for p in check_engine_config(cfg, spec(profile="balanced"))} == {
+        "kv_cache_quant_algo", "build_config.max_batch_size", "build_config.max_num_tokens"}
+    [problem] = check_engine_config(cfg, spec(kv_cache="fp8", tp_size=2))
+    assert problem == "mapping.tp_size is 1, spec asks 2"
