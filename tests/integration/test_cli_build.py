@@ -96,7 +96,9 @@ def test_checkpoint_backend_and_impossible_gate(home, fp8):
     out = last_json(proc)
     assert out["status"] == "failed" and out["artifact"]["status"] == "rejected"
     failed = [g["name"] for g in out["validation"]["gates"] if not g["passed"]]
-    assert failed == ["min_top1_agreement"]
+    # the impossible gate fails; the only other gate that may is the throughput regression against the first
+    # checkpoint engine (its speed, measured on two shared cores, moves with whatever else runs)
+    assert "min_top1_agreement" in failed and set(failed) <= {"min_top1_agreement", "max_throughput_drop_pct"}, failed
     assert "failed validation" in proc.stderr
 
 
