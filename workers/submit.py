@@ -10,7 +10,7 @@ from typing import Callable
 
 from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, defer, sessionmaker
 
 from builder.pipeline import Builder
 from kiln.keys import build_key
@@ -52,9 +52,11 @@ def choose_queue(workers: list, spec: BuildSpec) -> str:
 WORKERS = select(Worker.name, Worker.queues, Worker.capabilities, Worker.last_heartbeat)
 #: Every engine with one of the BuildKeys (not revoked), newest first, each with the first build that produced
 #: it: one statement answers a whole matrix.
+#: (The engine's provenance is not read: an answer carries the engine's summary, and the provenance — spec,
+#: toolchain, the checkpoint's file list — is the largest JSON column to parse.)
 EXISTING = (select(Artifact, Build).outerjoin(Build, Build.digest == Artifact.digest)
             .where(Artifact.build_key.in_(bindparam("keys", expanding=True)), Artifact.status != "revoked")
-            .order_by(Artifact.created_at.desc(), Build.created_at))
+            .order_by(Artifact.created_at.desc(), Build.created_at).options(defer(Artifact.provenance)))
 
 
 def submit(settings: Settings, sessions: sessionmaker[Session], spec: BuildSpec, enqueue: Enqueue, *,
