@@ -60,13 +60,9 @@ class Memory:
 
     @staticmethod
     def status() -> dict[str, int]:
-        out = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    key, value = line.split(":", 1)
-                    out[key] = int(value.split()[0]) * 1024
-        return out
+        from validation.measure import _proc_status
+
+        return _proc_status()
 
     @staticmethod
     def _reset() -> bool:

@@ -60,6 +60,15 @@ def median_wrk(url: str, seconds: int, repeat: int, **kw) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
+#: an engine row; a BuildKey already indexed (the one real engine) is left as it is
+INSERT_ARTIFACT = (
+    "INSERT INTO artifacts (digest, build_key, repository, tag, status, precision, target, profile, backend, "
+    "checkpoint_ref, checkpoint_digest, checkpoint_revision, size, provenance, validation, created_at) VALUES "
+    "(:digest, :build_key, :repository, :tag, :status, :precision, :target, :profile, :backend, :checkpoint_ref,"
+    " :checkpoint_digest, :checkpoint_revision, :size, CAST(:provenance AS JSON), CAST(:validation AS JSON), now())"
+    " ON CONFLICT (build_key) DO NOTHING")
+
+
 def seed(url: str, n: int) -> None:
     """n artifact rows over n/100 models (100 engine variants each), one tracked head per model."""
     import sqlalchemy as sa
@@ -80,11 +89,7 @@ def seed(url: str, n: int) -> None:
             models.append({"name": model, "checkpoint": "hf://bench/m@main", "hf_repo": "bench/m", "branch": "main",
                            "head_sha": "head", "matrix": "[]", "gates": "{}"})
     with engine.begin() as c:
-        c.execute(sa.text(
-            "INSERT INTO artifacts (digest, build_key, repository, tag, status, precision, target, profile, backend, "
-            "checkpoint_ref, checkpoint_digest, checkpoint_revision, size, provenance, validation, created_at) VALUES "
-            "(:digest, :build_key, :repository, :tag, :status, :precision, :target, :profile, :backend, :checkpoint_ref,"
-            " :checkpoint_digest, :checkpoint_revision, :size, CAST(:provenance AS JSON), CAST(:validation AS JSON), now())"), rows)
+        c.execute(sa.text(INSERT_ARTIFACT), rows)
         c.execute(sa.text("INSERT INTO models (name, checkpoint, hf_repo, branch, head_sha, matrix, gates, created_at, "
                           "updated_at) VALUES (:name, :checkpoint, :hf_repo, :branch, :head_sha, CAST(:matrix AS JSON), "
                           "CAST(:gates AS JSON), now(), now())"), models)
@@ -134,20 +139,18 @@ def seed_matrix(url: str, env: dict, specs: list[dict], n: int) -> list[dict]:
             continue
         keys.add(key)
         chosen.append(raw)
-        rows.append({"digest": f"sha256:{i + 7 * 10**9:064x}", "build_key": key, "repository": "bench/matrix",
+        digest = f"sha256:{i + 7 * 10**9:064x}"
+        rows.append({"digest": digest, "build_key": key, "repository": "bench/matrix",
                      "tag": f"m{i}", "precision": spec.precision, "target": spec.target, "profile": raw["profile"],
-                     "backend": spec.backend})
+                     "backend": spec.backend, "status": "fresh", "checkpoint_ref": "local", "checkpoint_digest": digest,
+                     "checkpoint_revision": None, "size": 1, "provenance": "{}", "validation": "{}"})
         if len(chosen) == n:
             break
     if len(chosen) < n:
         raise SystemExit(f"only {len(chosen)} distinct matrix entries")
     engine = sa.create_engine(url)
     with engine.begin() as c:
-        c.execute(sa.text(
-            "INSERT INTO artifacts (digest, build_key, repository, tag, status, precision, target, profile, backend, "
-            "checkpoint_ref, checkpoint_digest, checkpoint_revision, size, provenance, validation, created_at) VALUES "
-            "(:digest, :build_key, :repository, :tag, 'fresh', :precision, :target, :profile, :backend, 'local', "
-            ":digest, NULL, 1, CAST('{}' AS JSON), CAST('{}' AS JSON), now()) ON CONFLICT (build_key) DO NOTHING"), rows)
+        c.execute(sa.text(INSERT_ARTIFACT), rows)
     engine.dispose()
     return chosen
 

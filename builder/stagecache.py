@@ -23,6 +23,7 @@ one whose lock can be taken belonged to a process that died, and is removed.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -127,9 +128,7 @@ class StageCache:
             time.sleep(self.WAIT_POLL_S)
             if self._reuse(stage, key, final):
                 return final, None
-        if self.claims is None:
-            return final, self._produce_and_store(stage, key, final, produce)
-        with self.claims.renewing(key):
+        with self.claims.renewing(key) if self.claims is not None else contextlib.nullcontext():
             if self._reuse(stage, key, final):  # the holder before us finished between our look and our claim
                 return final, None
             return final, self._produce_and_store(stage, key, final, produce)

@@ -55,7 +55,7 @@ def redact(value, settings: Settings):
               (os.getcwd(), "$PWD"), (os.path.expanduser("~"), "~")]
     for path, name in sorted(places, key=lambda p: -len(p[0])):  # the longest first: home may lie under /tmp
         if len(path) > 1:
-            value = value.replace(path.rstrip("/") + "/", name + "/").replace(path, name) if path in value else value
+            value = value.replace(path, name)
     return value
 
 
