@@ -181,7 +181,8 @@ def _print_summary(out: dict) -> None:
 @click.option("--eval-seq-len", default=128, show_default=True, type=int)
 @click.option("--eval-max-tokens", default=16384, show_default=True, type=int)
 @click.option("--gate", multiple=True, help="override a validation gate: name=value (repeatable)")
-@click.option("--override-reason", help="why a regression gate is loosened (required to change it; recorded)")
+@click.option("--override-reason", help="why gates are looser than the defaults, the evaluation shorter, or the "
+              "regression gate changed (required for any of them; recorded)")
 @click.option("--dry-run", is_flag=True, help="print the plan (keys, cache state, exact commands) and do no work")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
 @click.option("--server", help="submit to a remote Kiln (http://host:8000) instead of building here")

@@ -64,7 +64,7 @@ def build(ckpt: Path, home: Path) -> tuple[Path, Path]:
     argv = ["build", str(ckpt), "--precision", "fp8", "--backend", "aot-inductor", "--max-batch-size",
             str(p["max_batch_size"]), "--max-input-len", str(p["max_input_len"]), "--max-seq-len", str(p["max_seq_len"]),
             "--max-num-tokens", str(p["max_num_tokens"]), "--calib-samples", "8", "--calib-seq-len", "64",
-            "--eval-max-tokens", "1024", "--json"]
+            "--eval-max-tokens", "1024", "--override-reason", "a benchmark build: a short evaluation", "--json"]
     t = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "api.cli", *argv], env=env,
                           cwd=ROOT, capture_output=True, text=True)

@@ -21,7 +21,7 @@ from artifacts.oci import survey_engine_layer
 from builder import quantize as quantize_stage
 from builder.backends import get_backend
 from builder.leases import BlobLeases, LeasedStore
-from builder.publish import publish, tag_for
+from builder.publish import name_in_repository, publish, tag_for
 from builder.resolve import ResolvedCheckpoint, identify_checkpoint, materialize_checkpoint
 from builder.stagecache import StageCache
 from kiln.datasets import load_text
@@ -159,6 +159,8 @@ class Builder:
         stages = [resolve_rec]
         existing = self._existing(p.build_key)
         if existing is not None:
+            if existing.repository != spec.model_name:  # another repository's engine: named here too
+                existing = name_in_repository(self.sessions, existing.digest, spec.model_name)
             stages += [StageRecord(n, "cached") for n in STAGES[1:]]
             for s in stages[1:]:
                 self._finished(s)

@@ -17,7 +17,7 @@ from artifacts.signing import Signer, configured_signer
 from builder.attest import sign_engine
 from kiln.models import Artifact, Referrer, TrackedModel
 from kiln.spec import BuildSpec
-from kiln.states import add_artifact, initial_artifact_status, move_artifact
+from kiln.states import add_artifact, initial_artifact_status, move_artifact, name_engine
 from validation.report import REPORT_TYPE, report_document, to_json
 
 PROVENANCE_TYPE = "application/vnd.kiln.provenance.v1+json"
@@ -131,7 +131,23 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
             for ref in signed:  # the engine files' signature and the signed provenance (builder/attest.py)
                 session.add(Referrer(subject=image.digest, repository=spec.model_name, **ref))
             session.commit()
-        except IntegrityError:  # someone published the same key first: theirs answers
+            return row
+        except IntegrityError:  # someone published the same key first: theirs answers (named here too)
             session.rollback()
-            return session.scalars(select(Artifact).where(Artifact.build_key == build_key)).one()
-    return row
+            theirs = session.scalars(select(Artifact).where(Artifact.build_key == build_key)).one()
+    if theirs.repository == spec.model_name:
+        return theirs
+    return name_in_repository(sessions, theirs.digest, spec.model_name)
+
+
+def name_in_repository(sessions: sessionmaker[Session], digest: str, repository: str) -> Artifact:
+    """Name the engine ``digest`` in ``repository`` too (and its tag there, when it is servable there): a
+    build for ``repository`` whose BuildKey another repository's engine already has gets the same bytes under
+    a second name, not an answer from the other repository alone."""
+    with sessions() as session:
+        artifact = session.get(Artifact, digest)
+        name_engine(session, artifact, repository, reason=f"the same build as {artifact.repository}@{digest}")
+        session.commit()
+        session.refresh(artifact)
+        session.expunge(artifact)
+        return artifact

@@ -137,6 +137,21 @@ class Tag(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class EngineName(Base):
+    """An engine also named in another repository than the one that published it (``Artifact.repository``):
+    a build for repository A whose BuildKey B's engine already has gets the same bytes under A's name. A's tags
+    and resolve answers may then name it, and A's clients pull it by digest; whether it is stale *for A* is
+    decided by A's tracked head (workers/freshness.py), its revocation for every name at once."""
+
+    __tablename__ = "engine_names"
+
+    repository: Mapped[str] = mapped_column(String(255), primary_key=True)
+    digest: Mapped[str] = mapped_column(DIGEST, ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True,
+                                        index=True)
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class TagEvent(Base):
     """Every tag move, for audit and rollback."""
 

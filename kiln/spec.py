@@ -245,8 +245,41 @@ def _rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
         elif gname in REGRESSION_GATE_NAMES and not (d.get("override_reason") or "").strip():
             errs.append(_bad("override_reason", f"changing gates.{gname} (the regression gate) needs a recorded reason",
                              "set override_reason to why this build may differ from the previous engine"))
+    if d["precision"] in PRECISIONS and all(isinstance(v, (int, float)) and math.isfinite(v) for v in d["gates"].values()):
+        errs += looser_than(d, dict(PRECISIONS[d["precision"]].gates), Evaluation().model_dump(),
+                            f"the {d['precision']} default")
     if len(d.get("override_reason") or "") > 2000:
         errs.append(_bad("override_reason", "is longer than 2000 characters", "say why in fewer words"))
+    return errs
+
+
+#: the evaluation's fields whose smaller value judges an engine on less (fewer tokens, shorter windows)
+EVALUATION_STRENGTH = ("max_tokens", "seq_len")
+
+
+def looser_than(d: dict[str, Any], gates: dict[str, float], evaluation: dict[str, Any], baseline: str) -> list[dict]:
+    """Errors for each accuracy or speed gate of ``d`` looser than ``gates`` (a ``max_`` gate above, a ``min_``
+    gate below) and each evaluation field below ``evaluation`` — unless ``d`` gives an ``override_reason``. An
+    engine judged more leniently than the baseline must not take the repository's tag and resolve answer on a
+    ``builds:write`` token's say alone; the reason is recorded in its provenance and report."""
+    if (d.get("override_reason") or "").strip():
+        return []
+    errs = []
+    for name, value in sorted(d.get("gates", {}).items()):
+        base = gates.get(name)
+        if base is None or name in REGRESSION_GATE_NAMES or name == "max_peak_memory_bytes":
+            continue  # the regression gate has its own rule; the memory budget is a property of the card
+        if (value > base) if name.startswith("max_") else (value < base):
+            errs.append(_bad(f"gates.{name}", f"{value:g} is looser than {baseline} ({base:g})",
+                             f"use {'at most' if name.startswith('max_') else 'at least'} {base:g}, or set "
+                             "override_reason to why this engine may be judged more leniently"))
+    ev = d["evaluation"]
+    ev = ev.model_dump() if isinstance(ev, BaseModel) else ev
+    for name in EVALUATION_STRENGTH:
+        if name in evaluation and ev.get(name, evaluation[name]) < evaluation[name]:
+            errs.append(_bad(f"evaluation.{name}", f"{ev[name]} is less than {baseline} ({evaluation[name]})",
+                             f"use at least {evaluation[name]}, or set override_reason to why this engine may be "
+                             "judged on less"))
     return errs
 
 

@@ -13,7 +13,9 @@ Builds::
 
 Engines: published as ``fresh``, ``stale`` (its tracked branch moved while it built) or ``rejected`` (failed
 validation); ``fresh → stale`` when the head moves; ``fresh | stale | rejected → revoked`` by an operator.
-``revoked`` is final. A tag names only a ``fresh`` engine: an engine that leaves ``fresh`` loses its tags."""
+``revoked`` is final. A tag names only a ``fresh`` engine: an engine that leaves ``fresh`` loses its tags, in
+every repository that names it (:func:`name_engine`; a repository other than the publisher's loses its tag
+alone when its own tracked head moves, workers/freshness.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from kiln.errors import InvalidTransition
-from kiln.models import TERMINAL, Artifact, Build, BuildEvent, Tag, TagEvent
+from kiln.models import TERMINAL, Artifact, Build, BuildEvent, EngineName, Tag, TagEvent, TrackedModel
 
 BUILD_TRANSITIONS: dict[str, frozenset[str]] = {
     "queued": frozenset({"running", "cancelled", "failed"}),
@@ -150,16 +152,39 @@ def move_artifact(session: Session, artifact: Artifact, to: str, *, reason: str)
                                 field="status", fix=f"a {artifact.status} engine can become {', '.join(sorted(allowed))}"
                                 if allowed else f"a {artifact.status} engine is final")
     artifact.status, artifact.status_reason = to, reason
-    for tag in session.scalars(select(Tag).where(Tag.repository == artifact.repository, Tag.digest == artifact.digest)):
-        remove_tag(session, artifact.repository, tag.name, reason=f"{to}: {reason}")
+    # every repository's tags: an engine named in several repositories (EngineName) leaves all of them
+    for tag in session.scalars(select(Tag).where(Tag.digest == artifact.digest)).all():
+        remove_tag(session, tag.repository, tag.name, reason=f"{to}: {reason}")
     return artifact
 
 
+def named_in(session: Session, artifact: Artifact, repository: str) -> bool:
+    """Whether ``repository`` names ``artifact``: the repository that published it, or one it was named in."""
+    return artifact.repository == repository or session.get(EngineName, (repository, artifact.digest)) is not None
+
+
+def name_engine(session: Session, artifact: Artifact, repository: str, *, reason: str) -> bool:
+    """Name ``artifact`` in ``repository`` too, and point that repository's tag for its variant at it when it
+    is servable there: fresh, and built from ``repository``'s tracked head if it tracks one (checked again with
+    the model's row held, as publish does, so that a concurrent head move is always seen by one side). Returns
+    whether the tag names it. Caller commits."""
+    if artifact.repository != repository and session.get(EngineName, (repository, artifact.digest)) is None:
+        session.add(EngineName(repository=repository, digest=artifact.digest, reason=reason))
+        session.flush()
+    if artifact.status != "fresh":
+        return False
+    model = session.get(TrackedModel, repository, with_for_update=True, populate_existing=True)
+    if model is not None and model.head_sha is not None and model.head_sha != artifact.checkpoint_revision:
+        return False
+    point_tag(session, repository, artifact.tag, artifact, reason=reason)
+    return True
+
+
 def point_tag(session: Session, repository: str, name: str, artifact: Artifact, *, reason: str) -> None:
-    """Point ``repository:name`` at ``artifact``, which must be a fresh engine of that repository; records the
-    move (nothing when the tag already names it). Caller commits."""
-    if artifact.status != "fresh" or artifact.repository != repository:
-        raise InvalidTransition(f"{repository}:{name} can name only a fresh engine of {repository}; "
+    """Point ``repository:name`` at ``artifact``, which must be a fresh engine named in that repository;
+    records the move (nothing when the tag already names it). Caller commits."""
+    if artifact.status != "fresh" or not named_in(session, artifact, repository):
+        raise InvalidTransition(f"{repository}:{name} can name only a fresh engine named in {repository}; "
                                 f"{artifact.digest} is a {artifact.status} engine of {artifact.repository}",
                                 field="tag", fix="tag a fresh engine of this repository")
     _set_tag(session, repository, name, artifact.digest, reason)

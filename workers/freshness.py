@@ -16,10 +16,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from builder.resolve import identify_checkpoint
 from kiln.errors import SpecError
 from kiln.refs import parse_hf_ref
-from kiln.models import Artifact, TrackedModel, utcnow
+from kiln.models import Artifact, Tag, TrackedModel, utcnow
 from kiln.settings import Settings
 from kiln.spec import MODEL_NAME_RE, parse_spec
-from kiln.states import move_artifact
+from kiln.states import move_artifact, remove_tag
 from workers.submit import Enqueue, Submitted, submit
 
 MATRIX_FIELDS = {"precision", "profile", "target", "backend", "kv_cache", "tp_size", "calibration", "evaluation", "gates",
@@ -56,8 +56,16 @@ def mark_stale(session: Session, model: TrackedModel) -> int:
     """Engines of ``model`` built from anything but its head become stale; tags stop naming them."""
     rows = session.scalars(select(Artifact).where(Artifact.repository == model.name, Artifact.status == "fresh",
                                                   Artifact.checkpoint_revision != model.head_sha)).all()
+    why = f"{model.hf_repo}@{model.branch} moved to {model.head_sha}"
     for a in rows:
-        move_artifact(session, a, "stale", reason=f"{model.hf_repo}@{model.branch} moved to {model.head_sha}")
+        move_artifact(session, a, "stale", reason=why)
+    # engines another repository published and this one names: stale for this model alone (they may be fresh
+    # for their publisher), so only this repository's tags stop naming them
+    named = (select(Tag).join(Artifact, Artifact.digest == Tag.digest)
+             .where(Tag.repository == model.name, Artifact.repository != model.name,
+                    Artifact.checkpoint_revision != model.head_sha))
+    for tag in session.scalars(named).all():
+        remove_tag(session, model.name, tag.name, reason=f"stale for {model.name}: {why}")
     return len(rows)
 
 

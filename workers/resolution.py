@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, and_, bindparam, case, literal, select
+from sqlalchemy import Connection, and_, bindparam, case, literal, select, true, union_all
 from sqlalchemy.orm import Session
 
 from kiln.errors import SpecError
-from kiln.models import Artifact, Build, TrackedModel
+from kiln.models import Artifact, Build, EngineName, TrackedModel
 from kiln.spec import BACKENDS, PRECISIONS, normalize_target
 
 
@@ -61,19 +61,23 @@ def incompatibility(provenance: dict | None, runtime: dict[str, str]) -> str | N
 
 def _variant_statement():
     """One statement (one round trip, one snapshot): whether the model is tracked, its head, and the engines of
-    one variant, newest first. Provenance is read for fresh engines only and the validation report not at all:
-    a model can have many stale engines, and resolve is the hottest read of the service. Built once, with
-    bound parameters (building a statement costs more than running it)."""
-    a, m = Artifact.__table__, TrackedModel.__table__
+    one variant named in the repository (published there, or named there from another repository: EngineName),
+    newest first. Provenance is read for fresh engines only and the validation report not at all: a model can
+    have many stale engines, and resolve is the hottest read of the service. Built once, with bound parameters
+    (building a statement costs more than running it)."""
+    a, m, n = Artifact.__table__, TrackedModel.__table__, EngineName.__table__
     model = bindparam("model")
-    variant = and_(a.c.repository == model, a.c.precision == bindparam("precision"),
-                   a.c.profile == bindparam("profile"), a.c.target == bindparam("target"),
-                   a.c.backend == bindparam("backend"))
+    variant = and_(a.c.precision == bindparam("precision"), a.c.profile == bindparam("profile"),
+                   a.c.target == bindparam("target"), a.c.backend == bindparam("backend"))
+    columns = (a.c.digest, a.c.tag, a.c.status, a.c.checkpoint_revision, a.c.created_at,
+               case((a.c.status == "fresh", a.c.provenance)).label("provenance"))
+    own = select(*columns).where(a.c.repository == model, variant)
+    named = select(*columns).select_from(n.join(a, a.c.digest == n.c.digest)).where(n.c.repository == model, variant)
+    e = union_all(own, named).subquery()
     anchor = select(literal(1).label("one")).subquery()  # one row, so that an unknown model still answers
-    return (select(m.c.name, m.c.head_sha, a.c.digest, a.c.tag, a.c.status, a.c.checkpoint_revision,
-                   case((a.c.status == "fresh", a.c.provenance)).label("provenance"))
-            .select_from(anchor.outerjoin(m, m.c.name == model).outerjoin(a, variant))
-            .order_by(a.c.created_at.desc()))
+    return (select(m.c.name, m.c.head_sha, e.c.digest, e.c.tag, e.c.status, e.c.checkpoint_revision, e.c.provenance)
+            .select_from(anchor.outerjoin(m, m.c.name == model).outerjoin(e, true()))
+            .order_by(e.c.created_at.desc()))
 
 
 VARIANT = _variant_statement()

@@ -13,11 +13,15 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from builder.pipeline import Builder
+from builder.publish import name_in_repository
+from kiln.digests import sha256_json
 from kiln.keys import build_key
-from kiln.models import Artifact, Build, Worker
+from kiln.errors import SpecError
+from kiln.models import Artifact, Build, TrackedModel, Worker
 from kiln.settings import Settings
-from kiln.spec import BuildSpec
+from kiln.spec import BuildSpec, looser_than, parse_spec
 from kiln.states import create_build
+from validation.gates import effective_gates
 from workers.capabilities import queue_name, routing_queues
 from workers.registry import is_live, waiting_reason, workers_for
 
@@ -57,6 +61,34 @@ WORKERS = select(Worker.name, Worker.queues, Worker.capabilities, Worker.last_he
 EXISTING = (select(Artifact, Build).outerjoin(Build, Build.digest == Artifact.digest)
             .where(Artifact.build_key.in_(bindparam("keys", expanding=True)), Artifact.status != "revoked")
             .order_by(Artifact.created_at.desc(), Build.created_at).options(defer(Artifact.provenance)))
+#: the tracked models among a request's repositories (their matrices are the baseline a build is judged against)
+TRACKED = (select(TrackedModel.name, TrackedModel.matrix, TrackedModel.gates)
+           .where(TrackedModel.name.in_(bindparam("names", expanding=True))))
+
+
+def _variant(spec: BuildSpec) -> tuple:
+    return spec.precision, spec.kv_cache, spec.target, spec.backend, spec.batch_profile, spec.tp_size
+
+
+def check_strictness(settings: Settings, spec: BuildSpec, model) -> None:
+    """A build of a tracked model is judged at least as strictly as the model's matrix entry for its variant
+    (gates and evaluation), unless it gives an ``override_reason`` (parse_spec holds every build to the
+    precision's defaults the same way). Raises SpecError naming the looser field."""
+    if model is None or (spec.override_reason or "").strip():
+        return
+    for entry in model.matrix or []:
+        try:
+            base = parse_spec({**entry, "gates": {**(model.gates or {}), **entry.get("gates", {})},
+                               "model_name": model.name, "checkpoint": spec.checkpoint}, settings.roots)
+        except SpecError:
+            continue
+        if _variant(base) != _variant(spec):
+            continue
+        errs = looser_than({"gates": effective_gates(spec.precision, spec.gates), "evaluation": spec.evaluation},
+                           effective_gates(base.precision, base.gates), base.evaluation.model_dump(),
+                           f"{model.name}'s tracked matrix")
+        if errs:
+            raise SpecError(errs[0]["message"], field=errs[0]["field"], fix=errs[0]["fix"], details=errs)
 
 
 def submit(settings: Settings, sessions: sessionmaker[Session], spec: BuildSpec, enqueue: Enqueue, *,
@@ -83,19 +115,35 @@ def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list
     newest: dict[str, tuple] = {}
     for row in rows:  # newest first: the first row of a key is its answer
         newest.setdefault(row.Artifact.build_key, row)
-    out: list[Submitted] = []
-    for spec, p, queue, keys in zip(specs, prepared, queues, candidates):
+    answers = []
+    for keys in candidates:
         found = [newest[k] for k in keys if k in newest]
-        if found:
-            row = max(found, key=lambda r: r.Artifact.created_at)
-            out.append(Submitted("existing-artifact", row.Build, row.Artifact))
-        else:
+        answers.append(max(found, key=lambda r: r.Artifact.created_at) if found else None)
+    # A spec that will write (a new build, or another repository's engine named here, either of which can move
+    # a tag) is judged against its tracked model's matrix first — all of them before anything is written.
+    writes = [spec for spec, row in zip(specs, answers) if row is None or row.Artifact.repository != spec.model_name]
+    if writes:
+        with (reads or sessions)() as session:
+            tracked = {m.name: m for m in session.execute(TRACKED, {"names": sorted({s.model_name for s in writes})})}
+        for spec in writes:
+            check_strictness(settings, spec, tracked.get(spec.model_name))
+    out: list[Submitted] = []
+    for spec, p, queue, row in zip(specs, prepared, queues, answers):
+        if row is None:
             out.append(_create(sessions, spec, p, queue, workers, enqueue))
+            continue
+        artifact = row.Artifact
+        if artifact.repository != spec.model_name:  # the same engine, asked for under another repository
+            artifact = name_in_repository(sessions, artifact.digest, spec.model_name)
+        out.append(Submitted("existing-artifact", row.Build, artifact))
     return out
 
 
 def _create(sessions, spec: BuildSpec, prepared, queue: str, workers, enqueue: Enqueue) -> Submitted:
-    build = Build(id=uuid.uuid4().hex, request_key=prepared.request_key, active_key=prepared.request_key,
+    # identical requests for one repository share a build; another repository's request is its own build
+    # (its stages come from the stage cache; its engine, if equal, is named in both — builder/publish.py)
+    active = sha256_json({"request": prepared.request_key, "repository": spec.model_name})
+    build = Build(id=uuid.uuid4().hex, request_key=prepared.request_key, active_key=active,
                   spec=spec.model_dump(), queue=queue, status="queued", stages=[], attempts=0,
                   cancel_requested=False, reason=waiting_reason(workers, queue, spec.backend, spec.target))
     with sessions() as session:
@@ -104,7 +152,7 @@ def _create(sessions, spec: BuildSpec, prepared, queue: str, workers, enqueue: E
             session.commit()
         except IntegrityError:
             session.rollback()
-            existing = session.scalars(select(Build).where(Build.active_key == prepared.request_key)).first()
+            existing = session.scalars(select(Build).where(Build.active_key == active)).first()
             if existing is not None:
                 return Submitted("existing-build", existing)
             raise

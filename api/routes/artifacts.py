@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Body, Query, Request
-from sqlalchemy import select
+from sqlalchemy import or_, select
 
 from api.deps import SessionDep
 from kiln.errors import SpecError
@@ -13,7 +13,7 @@ from kiln.states import move_artifact
 from api.schemas import artifact_read
 from kiln.digests import parse_digest
 from kiln.errors import ArtifactUnknown
-from kiln.models import Artifact
+from kiln.models import Artifact, EngineName
 
 router = APIRouter(prefix="/v1/artifacts", tags=["artifacts"])
 
@@ -26,7 +26,10 @@ def list_artifacts(session: SessionDep, model: str | None = Query(None, max_leng
                    offset: int = Query(0, ge=0, le=1_000_000)):
     """Engines, newest first, filtered by model, status, precision, target and backend."""
     q = select(Artifact)
-    for column, value in ((Artifact.repository, model), (Artifact.status, status), (Artifact.precision, precision),
+    if model is not None:  # engines it published and engines named in it from another repository
+        q = q.where(or_(Artifact.repository == model,
+                        Artifact.digest.in_(select(EngineName.digest).where(EngineName.repository == model))))
+    for column, value in ((Artifact.status, status), (Artifact.precision, precision),
                           (Artifact.target, target), (Artifact.backend, backend)):
         if value is not None:
             q = q.where(column == value)

@@ -35,7 +35,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from sqlalchemy import or_, select
+from sqlalchemy import or_, select, true, union, union_all
 from sqlalchemy.orm import Session
 
 from api.errors import http_status
@@ -43,7 +43,8 @@ from artifacts.interfaces import BlobStore
 from artifacts.oci import MEDIA_TYPE_IMAGE_INDEX, MEDIA_TYPE_IMAGE_MANIFEST
 from kiln.digests import DIGEST_RE
 from kiln.errors import BlobUnknown, InvalidDigest, KilnError
-from kiln.models import Artifact, Referrer, Tag
+from kiln.models import Artifact, EngineName, Referrer, Tag
+from kiln.states import named_in
 
 REDIRECT_BLOBS = False
 """When True, ``GET`` of a blob answers ``307`` to the store's presigned URL where it has one (S3), so that
@@ -157,9 +158,15 @@ def _store(request: Request) -> BlobStore:
     return request.app.state.store
 
 
+def _named(name: str):
+    """The digests of the engines ``name`` names: those it published and those named in it (EngineName)."""
+    return union_all(select(Artifact.digest).where(Artifact.repository == name),
+                     select(EngineName.digest).where(EngineName.repository == name))
+
+
 def _repository_known(session: Session, name: str) -> bool:
-    """A repository exists for /v2 when it has at least one engine that may be served."""
-    q = select(Artifact.digest).where(Artifact.repository == name, Artifact.status != "rejected").limit(1)
+    """A repository exists for /v2 when it names at least one engine that may be served."""
+    q = select(Artifact.digest).where(Artifact.digest.in_(_named(name)), Artifact.status != "rejected").limit(1)
     return session.scalar(q) is not None
 
 
@@ -185,13 +192,13 @@ class _Found:
 
 def _manifest_by_digest(session: Session, name: str, digest: str) -> _Found:
     art = session.get(Artifact, digest)
-    if art is not None and art.repository == name:
+    if art is not None and named_in(session, art, name):
         if art.status == "rejected":
             raise _rejected(digest)
         return _Found(digest, art.status, art.status_reason)
     ref = session.get(Referrer, digest)
-    if ref is not None and ref.repository == name:
-        subject = session.get(Artifact, ref.subject)
+    subject = session.get(Artifact, ref.subject) if ref is not None else None
+    if ref is not None and (ref.repository == name or (subject is not None and named_in(session, subject, name))):
         if subject is not None and subject.status == "rejected":
             raise _rejected(digest, ref.subject)
         return _Found(digest, None)
@@ -208,7 +215,7 @@ def _manifest_by_tag(session: Session, name: str, tag_name: str) -> _Found:
                        {"reference": tag_name, "rule": TAG_RE.pattern})
     tag = session.get(Tag, (name, tag_name))
     art = session.get(Artifact, tag.digest) if tag is not None else None
-    if art is None or art.repository != name:
+    if art is None or not named_in(session, art, name):
         if not _repository_known(session, name):
             raise _unknown_name(name)
         raise OCIError(404, "MANIFEST_UNKNOWN", f"no tag {tag_name!r} in repository {name!r}",
@@ -223,10 +230,12 @@ def _manifest_by_tag(session: Session, name: str, tag_name: str) -> _Found:
 
 def _servable_manifests(session: Session, name: str) -> list[str]:
     """Digests of the manifests of ``name`` that may be served: engines not rejected, referrers of those."""
-    engines = list(session.scalars(select(Artifact.digest).where(Artifact.repository == name,
+    named = _named(name)
+    engines = list(session.scalars(select(Artifact.digest).where(Artifact.digest.in_(named),
                                                                  Artifact.status != "rejected")))
     q = (select(Referrer.digest).outerjoin(Artifact, Artifact.digest == Referrer.subject)
-         .where(Referrer.repository == name, or_(Artifact.status.is_(None), Artifact.status != "rejected")))
+         .where(or_(Referrer.repository == name, Referrer.subject.in_(named)),
+                or_(Artifact.status.is_(None), Artifact.status != "rejected")))
     return engines + list(session.scalars(q))
 
 
@@ -294,7 +303,10 @@ def base() -> Response:
 def catalog(request: Request) -> Response:
     """Repositories that hold at least one servable engine, sorted, paginated with ``n`` and ``last``."""
     with _sessions(request)() as s:
-        names = list(s.scalars(select(Artifact.repository).where(Artifact.status != "rejected").distinct()))
+        servable = Artifact.status != "rejected"
+        names = list(s.scalars(union(select(Artifact.repository).where(servable),
+                                     select(EngineName.repository).join(Artifact, Artifact.digest == EngineName.digest)
+                                     .where(servable))))
     return _paginate(request, names, "/v2/_catalog", "repositories")
 
 
@@ -407,8 +419,11 @@ def referrers(name: str, digest: str, request: Request) -> Response:
     wanted = request.query_params.get("artifactType")
     with _sessions(request)() as s:
         subject = s.get(Artifact, digest)
+        here = Referrer.repository == name
+        if subject is not None and named_in(s, subject, name):
+            here = true()  # an engine named here from another repository brings its referrers
         rows = [] if subject is not None and subject.status == "rejected" else list(s.scalars(
-            select(Referrer).where(Referrer.subject == digest, Referrer.repository == name)
+            select(Referrer).where(Referrer.subject == digest, here)
             .order_by(Referrer.created_at, Referrer.digest)))
     descriptors = []
     for r in rows:

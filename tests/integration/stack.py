@@ -202,6 +202,6 @@ def tiny_spec(**overrides) -> dict:
     """A quick build of the shipped model: checkpoint backend, a short evaluation text."""
     spec = {"checkpoint": str(REPO / "examples" / "tiny-llama"), "precision": "fp8", "profile": "latency",
             "backend": "checkpoint", "calibration": {"samples": 8, "seq_len": 64},
-            "evaluation": {"max_tokens": 1024}}
+            "evaluation": {"max_tokens": 1024}, "override_reason": "a test build: a short evaluation"}
     spec.update(overrides)
     return spec

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 SECRET = "s3cret-for-tests"
 REPO_ID = "acme/tiny"
 MATRIX = [{"precision": "fp8", "profile": "latency", "target": "cpu", "backend": "checkpoint",
-           "calibration": {"samples": 8, "seq_len": 64}, "evaluation": {"max_tokens": 1024}}]
+           "calibration": {"samples": 8, "seq_len": 64}, "evaluation": {"max_tokens": 1024},
+           "override_reason": "a test build: a short evaluation"}]
 RESOLVE = "/v1/resolve?model=acme/tiny&precision=fp8&profile=latency&target=cpu&backend=checkpoint"
 
 

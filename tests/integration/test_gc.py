@@ -10,7 +10,8 @@ import pytest
 from tests.integration.test_cli_build import kiln, last_json
 
 pytestmark = pytest.mark.slow
-QUICK = ["--backend", "checkpoint", "--calib-samples", "8", "--calib-seq-len", "64", "--eval-max-tokens", "1024", "--json"]
+QUICK = ["--backend", "checkpoint", "--calib-samples", "8", "--calib-seq-len", "64", "--eval-max-tokens", "1024",
+         "--override-reason", "a test build: a short evaluation", "--json"]
 
 
 def test_gc_removes_rejected_engines_and_keeps_fresh_ones(tmp_path):

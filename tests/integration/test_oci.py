@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 REPO = "acme/tiny"
 TAG = "fp8-cpu-latency-checkpoint"
 BUILD = ["build", "examples/tiny-llama", "--backend", "checkpoint", "--calib-samples", "8", "--calib-seq-len", "64",
-         "--eval-max-tokens", "1024", "--model-name", REPO, "--json"]
+         "--eval-max-tokens", "1024",
+         "--override-reason", "a test build: a short evaluation", "--model-name", REPO, "--json"]
 SKOPEO = shutil.which("skopeo")
 needs_skopeo = pytest.mark.skipif(SKOPEO is None, reason="skopeo is not installed (apt-get install -y skopeo); "
                                                           "the same checks run over raw HTTP below")

@@ -19,7 +19,8 @@ from validation.report import REPORT_TYPE
 pytestmark = pytest.mark.slow
 
 BUILD = ["build", "examples/tiny-llama", "--backend", "checkpoint", "--calib-samples", "8", "--calib-seq-len", "64",
-         "--eval-max-tokens", "1024", "--json"]
+         "--eval-max-tokens", "1024",
+         "--override-reason", "a test build: a short evaluation", "--json"]
 PROVENANCE_TYPE = "application/vnd.kiln.provenance.v1+json"
 
 

@@ -143,7 +143,8 @@ def test_cancel_a_running_build_publishes_nothing(stack):
 
 def test_cli_drives_the_remote_service(stack):
     base = ["build", str(tiny_spec()["checkpoint"]), "--backend", "checkpoint", "--calib-samples", "8",
-            "--calib-seq-len", "64", "--eval-max-tokens", "1024", "--server", stack.url, "--json"]
+            "--calib-seq-len", "64", "--eval-max-tokens", "1024",
+            "--override-reason", "a test build: a short evaluation", "--server", stack.url, "--json"]
     ok = stack.kiln(*base, "--gate", "max_mean_kl=0.43")
     assert ok.returncode == 0, ok.stderr
     out = json.loads(ok.stdout.strip().splitlines()[-1])

@@ -65,7 +65,7 @@ def test_quantize_key_ignores_the_profile(make, profile):
     assert quantize_key(CKPT_A, make(), TOOLCHAIN, CAL_DATA) == quantize_key(CKPT_A, make(profile=profile), TOOLCHAIN, CAL_DATA)
 
 
-@pytest.mark.parametrize("overrides", [{"target": "sm90"}, {"backend": "aot-inductor"}, {"evaluation": {"seq_len": 64}},
+@pytest.mark.parametrize("overrides", [{"target": "sm90"}, {"backend": "aot-inductor"}, {"evaluation": {"seq_len": 256}},
                                        {"model_name": "other/name"}])
 def test_quantize_key_ignores_what_happens_after_quantize(make, overrides):
     assert quantize_key(CKPT_A, make(), TOOLCHAIN, CAL_DATA) == quantize_key(CKPT_A, make(**overrides), TOOLCHAIN, CAL_DATA)
@@ -165,7 +165,7 @@ def test_build_key_changes_with_checkpoint_digest_and_toolchain(make):
 
 
 @pytest.mark.parametrize("overrides", [{"precision": "nvfp4"}, {"profile": "throughput"}, {"target": "sm100"},
-                                       {"backend": "aot-inductor"}, {"evaluation": {"max_tokens": 4096}}])
+                                       {"backend": "aot-inductor"}, {"evaluation": {"max_tokens": 32768}}])
 def test_build_key_changes_with_the_spec(make, overrides):
     assert keys(make())[2] != keys(make(**overrides))[2]
 

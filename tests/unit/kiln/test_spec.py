@@ -242,8 +242,9 @@ def test_out_of_range_integers_are_refused(field, case):
 def test_integer_limits_are_inclusive(field):
     lo, hi = LIMITS[field]
     section, key = field.split(".")
+    reason = {"override_reason": "a shorter evaluation"} if section == "evaluation" else {}
     for value in (lo, hi):
-        assert getattr(getattr(parse_spec(spec_data(**{section: {key: value}}), ROOTS), section), key) == value
+        assert getattr(getattr(parse_spec(spec_data(**{section: {key: value}}, **reason), ROOTS), section), key) == value
 
 
 # -- gates -----------------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ def test_nan_gate_is_refused():
 
 def test_known_gates_are_accepted():
     gates = {"max_ppl_increase_pct": 5.0, "min_top1_agreement": 0.9, "max_mean_kl": 0.1, "min_throughput_tps": 10}
-    assert parse_spec(spec_data(gates=gates), ROOTS).gates == gates
+    assert parse_spec(spec_data(gates=gates, override_reason="looser accuracy gates"), ROOTS).gates == gates
 
 
 # -- checkpoint references -------------------------------------------------------------------------
@@ -482,7 +483,8 @@ def test_build_spec_direct_construction_leaves_profile_unexpanded():
 
 
 @pytest.mark.parametrize("data", [
-    {"target": "h100", "backend": "trtllm-engine", "profile": "balanced", "gates": {"max_mean_kl": 0.1}},
+    {"target": "h100", "backend": "trtllm-engine", "profile": "balanced", "gates": {"max_mean_kl": 0.1},
+     "override_reason": "a looser KL gate"},
     {"checkpoint": "hf://Org/X@main", "precision": "nvfp4", "kv_cache": "fp8", "backend": "checkpoint",
      "profile": {"max_batch_size": 2, "max_input_len": 3, "max_seq_len": 4, "max_num_tokens": 5}},
 ])
@@ -510,3 +512,31 @@ def test_refusals_name_the_reference_as_given_not_server_paths(tmp_path, monkeyp
         err = refuse(checkpoint=ref)
         assert err.field == "checkpoint" and str(tmp_path) not in err.message
         assert os.environ.get("HOME", "/nonexistent-home") not in err.message
+
+
+# -- an engine judged more leniently than the defaults needs a recorded reason -----------------------------------
+@pytest.mark.parametrize("gates, field", [
+    ({"max_mean_kl": 0.051}, "gates.max_mean_kl"), ({"max_ppl_increase_pct": 3.5}, "gates.max_ppl_increase_pct"),
+    ({"min_top1_agreement": 0.84}, "gates.min_top1_agreement"), ({"min_throughput_tps": 0.5}, "gates.min_throughput_tps"),
+])
+def test_a_gate_looser_than_the_precisions_default_needs_an_override_reason(gates, field):
+    err = refuse(gates=gates)
+    assert err.field == field and "fp8 default" in err.message and "override_reason" in err.fix
+    assert parse_spec(spec_data(gates=gates, override_reason="a candidate checkpoint, judged loosely"), ROOTS).gates == gates
+
+
+@pytest.mark.parametrize("evaluation, field", [({"max_tokens": 64}, "evaluation.max_tokens"),
+                                                ({"seq_len": 127}, "evaluation.seq_len")])
+def test_an_evaluation_shorter_than_the_default_needs_an_override_reason(evaluation, field):
+    err = refuse(evaluation=evaluation)
+    assert err.field == field and "override_reason" in err.fix
+    assert refuse(evaluation=evaluation, override_reason="  ").field == field  # blank is no reason
+    parse_spec(spec_data(evaluation=evaluation, override_reason="a smoke build"), ROOTS)
+
+
+def test_stricter_gates_a_longer_evaluation_and_the_nvfp4_defaults_need_no_reason():
+    parse_spec(spec_data(gates={"max_mean_kl": 0.01, "min_top1_agreement": 0.99, "max_ppl_increase_pct": 3.0},
+                         evaluation={"max_tokens": 32768, "seq_len": 256}), ROOTS)
+    parse_spec(spec_data(precision="nvfp4", gates={"max_mean_kl": 0.25, "max_ppl_increase_pct": 15.0}), ROOTS)
+    assert refuse(precision="nvfp4", gates={"max_mean_kl": 0.26}).field == "gates.max_mean_kl"
+    parse_spec(spec_data(gates={"max_peak_memory_bytes": 1e12}), ROOTS)  # the budget is the card's, not leniency

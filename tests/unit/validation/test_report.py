@@ -32,7 +32,7 @@ PROFILE = {"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 96, "max_num
 def real(fp8_export):
     """A real validation of the FP8 export (checkpoint backend), peak memory from a fresh child process."""
     spec = parse_spec({"checkpoint": str(TINY), "precision": "fp8", "backend": "checkpoint", "profile": PROFILE,
-                       "evaluation": {"max_tokens": 1024}}, [REPO])
+                       "evaluation": {"max_tokens": 1024}, "override_reason": "a unit test: a shorter evaluation"}, [REPO])
     heldout = load_text("kiln:heldout", field="evaluation.dataset", roots=[REPO])[0]
     validation = validate(CheckpointRunner(fp8_export / "hf"), open_reference(TINY), TINY, heldout, spec,
                           effective_gates("fp8", {}), 2048, engine_source=("checkpoint", fp8_export / "hf"))

@@ -27,7 +27,7 @@ EVAL_TOKENS = 2048  # 16 windows of 128: enough to separate good from damaged, ~
 
 def nvfp4_spec(**overrides):
     data = {"checkpoint": str(TINY), "precision": "nvfp4", "backend": "checkpoint",
-            "evaluation": {"max_tokens": EVAL_TOKENS}}
+            "evaluation": {"max_tokens": EVAL_TOKENS}, "override_reason": "a unit test: a shorter evaluation"}
     data.update(overrides)
     return parse_spec(data, [REPO])
 

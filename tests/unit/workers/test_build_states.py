@@ -19,6 +19,7 @@ from builder.pipeline import Builder
 from builder.publish import publish
 from kiln import db
 from kiln.errors import InvalidTransition, StorageUnavailable
+from kiln.digests import sha256_json
 from kiln.keys import build_key
 from kiln.models import Artifact, Build, BuildEvent, Tag, TagEvent, Worker
 from kiln.settings import Settings
@@ -112,7 +113,9 @@ def test_submit_creates_once_then_joins_the_active_build(env):
     first = submit(settings, sessions, spec, broker)
     assert first.outcome == "created" and broker.sent == [(first.build.id, "kiln.aot-inductor.cpu")]
     b = row(sessions, first.build.id)
-    assert (b.status, b.active_key, b.request_key) == ("queued", b.request_key, prepared(settings, sessions, spec).request_key)
+    assert (b.status, b.request_key) == ("queued", prepared(settings, sessions, spec).request_key)
+    # identical requests for one repository share the build: the active key is the request's in that repository
+    assert b.active_key == sha256_json({"request": b.request_key, "repository": spec.model_name})
     second = submit(settings, sessions, spec, broker)
     assert second.outcome == "existing-build" and second.build.id == first.build.id
     assert len(broker.sent) == 1
@@ -505,7 +508,7 @@ def test_engine_transition_errors_say_what_is_allowed(env, tmp_path):
         with pytest.raises(InvalidTransition) as e:
             point_tag(s, "acme/tiny", "other", s.get(Artifact, rejected.digest), reason="x")
         assert (e.value.field, e.value.fix) == ("tag", "tag a fresh engine of this repository")
-        assert e.value.message == (f"acme/tiny:other can name only a fresh engine of acme/tiny; {rejected.digest} is "
+        assert e.value.message == (f"acme/tiny:other can name only a fresh engine named in acme/tiny; {rejected.digest} is "
                                    "a rejected engine of acme/tiny")
         revoked = Artifact(**{c.name: getattr(s.get(Artifact, fresh.digest), c.name)
                               for c in Artifact.__table__.columns})

@@ -1,0 +1,214 @@
+"""One engine, several repositories: a request for repository A whose BuildKey repository B's engine already
+has gets B's bytes under A's name — A's tag, A's resolve answer, A's /v2 manifests, blobs and referrers — and
+a revoke or A's own head move takes it out of A as it would an engine A published. And a build of a tracked
+model is judged at least as strictly as the model's matrix unless it gives an override_reason.
+
+Real SQLite index with the real migrations, the real publish, submit, resolve, freshness and routes; the broker
+is the fake of test_build_states (a message for an uncommitted row fails the test)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from api.app import create_app
+from kiln.errors import SpecError
+from kiln.models import Artifact, Build, EngineName, Tag, TrackedModel
+from tests.unit.workers.test_build_states import CPU, Broker, env, prepared, publish_for, spec_of  # noqa: F401
+from workers.freshness import mark_stale
+from workers.resolution import resolve_engine
+from workers.submit import submit
+
+A = "other/tiny"
+B = CPU["model_name"]  # acme/tiny
+REV, NEXT = "1" * 40, "2" * 40
+
+
+def _published_under_b(settings, sessions, tmp_path, *, revision=None):
+    spec_b = spec_of(settings, CPU)
+    return publish_for(settings, sessions, spec_b, prepared(settings, sessions, spec_b).build_key, tmp_path,
+                       revision=revision)
+
+
+def _tag(sessions, repository, name):
+    with sessions() as s:
+        t = s.get(Tag, (repository, name))
+        return t.digest if t else None
+
+
+def _track(sessions, name, head):
+    with sessions() as s:
+        s.add(TrackedModel(name=name, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
+                           head_sha=head, matrix=[], gates={}))
+        s.commit()
+
+
+def _resolve(sessions, model):
+    with sessions() as s:
+        return resolve_engine(s, model=model, precision="fp8", profile="latency", target="cpu", backend="aot-inductor")
+
+
+def test_a_request_for_another_repository_gets_the_same_engine_under_its_own_tag(env, tmp_path):
+    settings, sessions, broker = env
+    engine = _published_under_b(settings, sessions, tmp_path)
+    answer = submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    assert answer.outcome == "existing-artifact" and answer.artifact.digest == engine.digest
+    assert broker.sent == []  # no build: the engine exists
+    assert _tag(sessions, A, engine.tag) == engine.digest and _tag(sessions, B, engine.tag) == engine.digest
+    r = _resolve(sessions, A)
+    assert (r.status, r.artifact.digest, r.artifact.repository) == (200, engine.digest, A)
+    # the same request again changes nothing
+    assert submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker).artifact.digest == engine.digest
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(EngineName)) == 1
+
+
+def test_a_named_engine_is_pulled_through_the_other_repository_by_tag_and_digest(env, tmp_path):
+    settings, sessions, broker = env
+    engine = _published_under_b(settings, sessions, tmp_path)
+    client = TestClient(create_app(settings, enqueue=broker))
+    assert client.get(f"/v2/{A}/manifests/{engine.tag}").status_code == 404  # not named in A yet
+    submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    by_tag = client.get(f"/v2/{A}/manifests/{engine.tag}")
+    assert by_tag.status_code == 200 and by_tag.headers["Docker-Content-Digest"] == engine.digest
+    by_digest = client.get(f"/v2/{A}/manifests/{engine.digest}")
+    assert by_digest.status_code == 200 and by_digest.content == by_tag.content
+    manifest = json.loads(by_tag.content)
+    for desc in [manifest["config"], *manifest["layers"]]:
+        assert client.get(f"/v2/{A}/blobs/{desc['digest']}").status_code == 200
+    assert client.get(f"/v2/{A}/tags/list").json()["tags"] == [engine.tag]
+    assert {A, B} <= set(client.get("/v2/_catalog").json()["repositories"])
+    referrers = client.get(f"/v2/{A}/referrers/{engine.digest}").json()["manifests"]
+    assert referrers and referrers == client.get(f"/v2/{B}/referrers/{engine.digest}").json()["manifests"]
+    for ref in referrers:
+        assert client.get(f"/v2/{A}/manifests/{ref['digest']}").status_code == 200
+    listed = client.get("/v1/artifacts", params={"model": A}).json()["artifacts"]
+    assert [a["digest"] for a in listed] == [engine.digest]
+
+
+def test_revoking_a_named_engine_untags_it_in_every_repository(env, tmp_path):
+    settings, sessions, broker = env
+    engine = _published_under_b(settings, sessions, tmp_path)
+    submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    client = TestClient(create_app(settings, enqueue=broker))
+    assert client.post(f"/v1/artifacts/{engine.digest}/revoke", json={"reason": "leaks"}).status_code == 200
+    assert _tag(sessions, A, engine.tag) is None and _tag(sessions, B, engine.tag) is None
+    assert _resolve(sessions, A).status == 404
+    denied = client.get(f"/v2/{A}/manifests/{engine.digest}")
+    assert denied.status_code == 403 and denied.json()["errors"][0]["code"] == "DENIED"
+
+
+def test_a_head_move_of_the_naming_repository_untags_the_engine_there_only(env, tmp_path):
+    settings, sessions, broker = env
+    _track(sessions, A, REV)
+    engine = _published_under_b(settings, sessions, tmp_path, revision=REV)
+    submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    assert _tag(sessions, A, engine.tag) == engine.digest
+    with sessions() as s:
+        model = s.get(TrackedModel, A)
+        model.head_sha = NEXT
+        assert mark_stale(s, model) == 0  # no engine of A's own went stale
+        s.commit()
+        assert s.get(Artifact, engine.digest).status == "fresh"  # still fresh for B, which published it
+    assert _tag(sessions, A, engine.tag) is None and _tag(sessions, B, engine.tag) == engine.digest
+    assert (_resolve(sessions, A).code, _resolve(sessions, B).status) == ("stale_only", 200)
+
+
+def test_an_engine_of_another_head_is_named_but_not_tagged(env, tmp_path):
+    settings, sessions, broker = env
+    _track(sessions, A, NEXT)  # A follows a head the engine was not built from
+    engine = _published_under_b(settings, sessions, tmp_path, revision=REV)
+    submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    assert _tag(sessions, A, engine.tag) is None
+    with sessions() as s:
+        assert s.get(EngineName, (A, engine.digest)) is not None
+
+
+def test_an_identical_build_for_another_repository_published_second_is_named_in_it(env, tmp_path):
+    """Two builds with one BuildKey for two repositories, running at once: the second to publish meets the
+    first's row (the unique build_key) and its repository gets a tag naming the first's engine."""
+    settings, sessions, _ = env
+    spec_b, spec_a = spec_of(settings, CPU), spec_of(settings, {**CPU, "model_name": A})
+    key = prepared(settings, sessions, spec_b).build_key
+    first = publish_for(settings, sessions, spec_b, key, tmp_path / "b")
+    second = publish_for(settings, sessions, spec_a, key, tmp_path / "a")
+    assert second.digest == first.digest and second.repository == B
+    assert _tag(sessions, A, first.tag) == first.digest
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Artifact)) == 1
+
+
+def test_builds_for_two_repositories_are_two_builds_each_joined_by_its_own_repeats(env):
+    settings, sessions, broker = env
+    for_b = submit(settings, sessions, spec_of(settings, CPU), broker)
+    for_a = submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    assert (for_b.outcome, for_a.outcome) == ("created", "created") and for_a.build.id != for_b.build.id
+    again = submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    assert (again.outcome, again.build.id) == ("existing-build", for_a.build.id)
+
+
+# -- the tracked matrix is the baseline -------------------------------------------------------------------------
+MATRIX_ENTRY = {"precision": "fp8", "target": "cpu", "backend": "aot-inductor", "profile": "latency",
+                "calibration": CPU["calibration"], "gates": {"max_mean_kl": 0.02},
+                "evaluation": {"max_tokens": 32768}}
+
+
+def _track_matrix(sessions):
+    with sessions() as s:
+        s.add(TrackedModel(name=B, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
+                           head_sha=None, matrix=[MATRIX_ENTRY], gates={}))
+        s.commit()
+
+
+def _builds(sessions):
+    with sessions() as s:
+        return s.scalar(select(func.count()).select_from(Build))
+
+
+@pytest.mark.parametrize("looser, field", [
+    ({}, "gates.max_mean_kl"),  # the default KL gate (0.05) is looser than the matrix's 0.02
+    ({"gates": {"max_mean_kl": 0.02}, "evaluation": {"max_tokens": 16384}}, "evaluation.max_tokens"),
+])
+def test_a_build_looser_than_its_tracked_matrix_is_refused_without_a_reason(env, looser, field):
+    settings, sessions, broker = env
+    _track_matrix(sessions)
+    with pytest.raises(SpecError) as e:
+        submit(settings, sessions, spec_of(settings, {**CPU, **looser}), broker)
+    assert e.value.field == field and "override_reason" in e.value.fix and "acme/tiny's tracked matrix" in e.value.message
+    assert _builds(sessions) == 0 and broker.sent == []
+
+
+def test_a_build_as_strict_as_its_tracked_matrix_or_with_a_reason_is_built(env):
+    settings, sessions, broker = env
+    _track_matrix(sessions)
+    strict = {**CPU, "gates": {"max_mean_kl": 0.01}, "evaluation": {"max_tokens": 32768}}
+    assert submit(settings, sessions, spec_of(settings, strict), broker).outcome == "created"
+    reasoned = {**CPU, "override_reason": "a quick look at a candidate"}
+    assert submit(settings, sessions, spec_of(settings, reasoned), broker).outcome == "created"
+    other_variant = {**CPU, "profile": "throughput"}  # no matrix entry: the defaults (parse_spec) rule it
+    assert submit(settings, sessions, spec_of(settings, other_variant), broker).outcome == "created"
+
+
+def test_the_route_answers_a_looser_build_with_a_422_naming_the_field_and_writes_nothing(env):
+    settings, sessions, broker = env
+    _track_matrix(sessions)
+    client = TestClient(create_app(settings, enqueue=broker))
+    r = client.post("/v1/builds", json={**CPU})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "gates.max_mean_kl"
+    assert _builds(sessions) == 0
+
+
+def test_a_queued_build_for_another_repository_finds_the_engine_published_meanwhile_and_names_it(env, tmp_path):
+    from workers import runner
+
+    settings, sessions, broker = env
+    queued = submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    assert queued.outcome == "created"
+    engine = _published_under_b(settings, sessions, tmp_path)  # B's identical build finished first
+    assert runner.run_build(queued.build.id, settings, "w1") == "succeeded"
+    with sessions() as s:
+        assert s.get(Build, queued.build.id).digest == engine.digest
+    assert _tag(sessions, A, engine.tag) == engine.digest
