@@ -250,6 +250,28 @@ def test_kiln_pull_from_a_server(reg, tmp_path):
     assert rejected.returncode == 2 and "rejected" in rejected.stderr and not (tmp_path / "rej").exists()
 
 
+def test_the_same_build_for_another_repository_is_pulled_under_its_name(reg, tmp_path):
+    """A build for a second repository whose BuildKey the first's engine has: the same bytes under the second
+    name — its tag, by digest, to skopeo and ``kiln pull`` — and no second engine."""
+    other = "other/tiny"
+    r = reg.kiln(*[a if a != REPO else other for a in BUILD])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["digest"] == reg.digest and out["cache_hit"] is True
+    by_tag = httpx.get(f"{reg.url}/v2/{other}/manifests/{TAG}", headers={"Accept": MEDIA_TYPE_IMAGE_MANIFEST})
+    assert by_tag.status_code == 200 and by_tag.headers["Docker-Content-Digest"] == reg.digest
+    assert TAG in httpx.get(f"{reg.url}/v2/{other}/tags/list").json()["tags"]
+    dest = tmp_path / "pulled"
+    pulled = reg.kiln("pull", f"{other}@{reg.digest}", str(dest), "--server", reg.url)
+    assert pulled.returncode == 0, pulled.stderr
+    assert tree(dest) == reg.signed_tree
+    if SKOPEO:
+        copied = skopeo("copy", "--preserve-digests", "--dest-oci-accept-uncompressed-layers", "--src-tls-verify=false",
+                        f"docker://{reg.host}/{other}@{reg.digest}", f"oci:{tmp_path / 'layout'}:engine")
+        assert copied.returncode == 0, copied.stderr
+        assert check_layout(tmp_path / "layout")["digest"] == reg.digest
+
+
 def test_a_revoked_engine_is_denied_to_every_client(reg, tmp_path):
     db = sqlite3.connect(reg.home / "kiln.db")
     try:
