@@ -50,7 +50,7 @@ def redact(value, settings: Settings):
         return [redact(v, settings) for v in value]
     if not isinstance(value, str):
         return value
-    places = [(str(settings.home_dir.resolve()), "$KILN_HOME"), (str(settings.home_dir), "$KILN_HOME"),
+    places = [(str(settings.home_dir), "$KILN_HOME"),  # resolved (kiln/settings.py), as the paths built from it
               (os.path.realpath(tempfile.gettempdir()), "$TMPDIR"), (tempfile.gettempdir(), "$TMPDIR"),
               (os.getcwd(), "$PWD"), (os.path.expanduser("~"), "~")]
     for path, name in sorted(places, key=lambda p: -len(p[0])):  # the longest first: home may lie under /tmp

@@ -1,0 +1,146 @@
+"""The runner's branches driven through the real Builder, stage cache, local store and SQLite index: a cancel
+that arrives while a stage runs, a storage error mid-stage (retried, then failing the build on the last try), a
+domain error and a crash, and the duplicate messages it must drop.
+
+The quantize stage is replaced by a named fake (``fake_quantize``) that writes a small output and does what a
+concurrent actor would do at that moment (an operator's cancel; the store failing): ModelOpt's calibration is
+not under test here, the runner's coordination around it is."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from sqlalchemy import func, select
+
+from kiln.errors import StageFailed, StorageUnavailable
+from kiln.models import Artifact, Build, BuildEvent, StageOutput
+from kiln.states import move_build_if_unchanged, request_cancel
+from tests.unit.workers.test_build_states import (CPU, Broker, add_worker, env, prepared, row,  # noqa: F401
+                                                  spec_of, statuses)
+from workers import runner
+from workers.submit import submit
+
+
+def stage_events(sessions, build_id):
+    with sessions() as s:
+        return [(e.data["name"], e.data["state"]) for e in s.scalars(
+            select(BuildEvent).where(BuildEvent.build_id == build_id, BuildEvent.kind == "stage").order_by(BuildEvent.id))]
+
+
+def fake_quantize(monkeypatch, action):
+    """Replace ModelOpt's calibration with a small output written after ``action()`` (which may raise)."""
+    def quantize(checkpoint_dir, spec, calib_text, out_dir):
+        action()
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text("{}")
+        return {"fake": True}
+    monkeypatch.setattr("builder.quantize.quantize", quantize)
+
+
+def test_a_cancel_during_a_stage_stops_the_build_at_the_next_boundary_with_its_stages_recorded(env, monkeypatch):
+    settings, sessions, broker = env
+    made = submit(settings, sessions, spec_of(settings, CPU), broker)
+
+    def operator_cancels():  # the cancel route's effect on a running build: the flag only
+        with sessions() as s:
+            b = request_cancel(s, s.get(Build, made.build.id))
+            s.commit()
+            assert b.status == "running"
+
+    fake_quantize(monkeypatch, operator_cancels)
+    assert runner.run_build(made.build.id, settings, "w1") == "cancelled"
+    b = row(sessions, made.build.id)
+    assert (b.status, b.reason, b.active_key, b.worker) == (
+        "cancelled", "cancelled at a stage boundary; nothing was published", None, "w1")
+    assert statuses(sessions, b.id) == ["queued", "running", "cancelled"]
+    assert stage_events(sessions, b.id) == [("resolve", "started"), ("resolve", "finished"),
+                                            ("quantize", "started"), ("quantize", "finished")]
+    # resolve: the checkpoint was identified at submit (its manifest cached); quantize ran here
+    assert [(st["name"], st["status"]) for st in b.stages] == [("resolve", "cached"), ("quantize", "ran")]
+    assert all(isinstance(st["seconds"], float) and st["seconds"] >= 0 for st in b.stages) and b.stage == "quantize"
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Artifact)) == 0
+        # the finished quantize output went to the store: a resubmitted build reuses it
+        out = s.get(StageOutput, prepared(settings, sessions, spec_of(settings, CPU)).quantize_key)
+        assert out is not None and out.stage == "quantize"
+
+
+def test_a_storage_error_mid_stage_requeues_the_build_then_fails_it_on_the_last_try(env, monkeypatch):
+    settings, sessions, broker = env
+    made = submit(settings, sessions, spec_of(settings, CPU), broker)
+
+    def store_fails():
+        raise StorageUnavailable("the store answered 503")
+
+    fake_quantize(monkeypatch, store_fails)
+    with pytest.raises(StorageUnavailable):  # the task retries it
+        runner.run_build(made.build.id, settings, "w1")
+    b = row(sessions, made.build.id)
+    assert (b.status, b.reason) == ("queued", "retrying after a storage error: the store answered 503")
+    assert runner.run_build(made.build.id, settings, "w1", last_try=True) == "failed"
+    b = row(sessions, made.build.id)
+    assert (b.status, b.error["code"], b.active_key) == ("failed", "storage_unavailable", None)
+    assert b.reason == "storage unavailable; gave up after 2 attempts: the store answered 503"
+    assert statuses(sessions, b.id) == ["queued", "running", "queued", "running", "failed"]
+
+
+def test_a_domain_error_fails_the_build_with_its_code_and_a_crash_as_an_internal_error(env, monkeypatch):
+    settings, sessions, broker = env
+    first = submit(settings, sessions, spec_of(settings, CPU), broker)
+
+    def stage_fails():
+        raise StageFailed("calibration diverged", field="calibration", fix="use more samples")
+
+    fake_quantize(monkeypatch, stage_fails)
+    assert runner.run_build(first.build.id, settings, "w1") == "failed"
+    b = row(sessions, first.build.id)
+    assert (b.status, b.reason, b.error) == ("failed", "stage_failed", StageFailed(
+        "calibration diverged", field="calibration", fix="use more samples").to_dict())
+
+    second = submit(settings, sessions, spec_of(settings, {**CPU, "profile": "throughput"}), broker)
+
+    def crashes():
+        raise ZeroDivisionError("division by zero")
+
+    fake_quantize(monkeypatch, crashes)
+    assert runner.run_build(second.build.id, settings, "w1") == "failed"
+    b = row(sessions, second.build.id)
+    assert (b.status, b.reason, b.error) == ("failed", "internal_error", {
+        "code": "internal_error", "message": "ZeroDivisionError: division by zero"})
+
+
+def test_messages_for_a_missing_build_or_one_running_on_a_live_worker_are_dropped_and_logged(env, caplog):
+    settings, sessions, broker = env
+    caplog.set_level(logging.INFO, logger="workers.runner")
+    assert runner.run_build("no-such-build", settings, "w1") == "missing"
+    assert "build no-such-build does not exist; message dropped" in caplog.messages
+    made = submit(settings, sessions, spec_of(settings, CPU), broker)
+    add_worker(sessions, "w1", ["kiln.aot-inductor.cpu"])
+    with sessions() as s:
+        assert move_build_if_unchanged(s, s.get(Build, made.build.id), "running", worker="w1")
+        s.commit()
+    assert runner.run_build(made.build.id, settings, "w2") == "running"
+    assert f"build {made.build.id} is running on live worker w1; duplicate message dropped" in caplog.messages
+    assert (row(sessions, made.build.id).worker, statuses(sessions, made.build.id)) == ("w1", ["queued", "running"])
+
+
+def test_redact_names_each_place_longest_first_in_every_value_and_leaves_the_root_alone(tmp_path, monkeypatch):
+    import tempfile
+
+    from kiln.settings import Settings
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", "/")  # a service user whose home is / : "/" is no place to name
+    monkeypatch.chdir("/")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the home lies under the temporary directory
+    settings = Settings(home=home)
+    message = f"wrote {home}/cache/x, {home}/cache/y and {tmp_path}/scratch; read /etc/passwd"
+    expected = "wrote $KILN_HOME/cache/x, $KILN_HOME/cache/y and $TMPDIR/scratch; read /etc/passwd"
+    assert runner.redact(message, settings) == expected
+    assert runner.redact({"message": message, "details": [message, 3, None]}, settings) == {
+        "message": expected, "details": [expected, 3, None]}
+    (home / "cache").mkdir()
+    monkeypatch.chdir(home / "cache")  # the working directory lies under the home: the longer place wins
+    assert runner.redact(f"{home}/cache/x {home}/y", settings) == "$PWD/x $KILN_HOME/y"
