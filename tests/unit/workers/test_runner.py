@@ -9,6 +9,7 @@ not under test here, the runner's coordination around it is."""
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import func, select
@@ -144,3 +145,63 @@ def test_redact_names_each_place_longest_first_in_every_value_and_leaves_the_roo
     (home / "cache").mkdir()
     monkeypatch.chdir(home / "cache")  # the working directory lies under the home: the longer place wins
     assert runner.redact(f"{home}/cache/x {home}/y", settings) == "$PWD/x $KILN_HOME/y"
+
+
+# -- the reconciler, one build after another ----------------------------------------------------------------------
+def _running(sessions, build_id, worker):
+    with sessions() as s:
+        assert move_build_if_unchanged(s, s.get(Build, build_id), "running", worker=worker)
+        s.commit()
+
+
+def test_the_reconciler_goes_on_past_a_build_it_leaves_alone(env):
+    from workers.reconcile import reclaim_orphans, requeue_lost
+
+    settings, sessions, broker = env
+    ids = [submit(settings, sessions, spec_of(settings, {**CPU, "profile": p}), broker).build.id
+           for p in ("latency", "balanced", "throughput")]
+    add_worker(sessions, "here", ["kiln.aot-inductor.cpu"])
+    add_worker(sessions, "gone", ["kiln.aot-inductor.cpu"], live=False)
+    _running(sessions, ids[0], "here")  # first in the table: left alone, the next still reclaimed
+    _running(sessions, ids[1], "gone")
+    broker.sent.clear()
+    assert reclaim_orphans(sessions, broker) == [ids[1]]
+    # queued builds: the running one is not re-enqueued, the old queued ones are, each asked for by its queue
+    with sessions() as s:
+        young = s.get(Build, ids[1])
+        young.created_at = datetime.now(timezone.utc)  # re-queued just now: first of the two, and too young
+        old = s.get(Build, ids[2])
+        old.created_at = datetime.now(timezone.utc) - timedelta(seconds=5.5)  # older than the default 5 s
+        s.commit()
+    asked = []
+    depth = lambda queue: asked.append(queue) or 0  # noqa: E731
+    broker.sent.clear()
+    assert requeue_lost(sessions, ["kiln.aot-inductor.cpu"], broker, depth) == [ids[2]]
+    assert broker.sent == [(ids[2], "kiln.aot-inductor.cpu")] and asked == ["kiln.aot-inductor.cpu"]
+
+
+# -- the worker registry ------------------------------------------------------------------------------------------
+def test_the_registry_registers_beats_and_says_who_serves_a_queue(env):
+    from kiln.models import Worker
+    from workers import registry
+
+    settings, sessions, _ = env
+    q = "kiln.aot-inductor.cpu"
+    with sessions() as s:
+        assert registry.waiting_reason(s, q, "aot-inductor", "cpu") == (
+            f"waiting for a worker that builds aot-inductor engines for cpu (queue {q}); no such worker is live")
+        registry.register(s, "w1", {"queues": [q], "toolchains": {}})
+        registry.register(s, "w2", {"queues": ["kiln.checkpoint.cpu"], "toolchains": {}})
+        w1 = s.get(Worker, "w1")
+        w1.last_heartbeat = datetime.now(timezone.utc) - timedelta(hours=1)
+        s.commit()
+        live, known = registry.workers_for(s, q)  # from a session
+        assert (live, [w.name for w in known]) == ([], ["w1"])
+        registry.heartbeat(s, "w1")
+        registry.heartbeat(s, "nobody")  # an unknown worker's beat changes nothing
+        live, known = registry.workers_for(s, q)
+        assert [w.name for w in live] == ["w1"] and registry.is_live(s.get(Worker, "w1"))
+        assert registry.waiting_reason(s, q, "aot-inductor", "cpu") == f"waiting for a free worker on queue {q} (1 live)"
+        registry.register(s, "w1", {"queues": ["kiln.checkpoint.cpu"], "toolchains": {"x": {}}})  # re-registers
+        assert (s.get(Worker, "w1").queues, registry.workers_for(s, q)) == (["kiln.checkpoint.cpu"], ([], []))
+        assert s.get(Worker, "nobody") is None
