@@ -166,6 +166,21 @@ def test_non_finite_numbers_are_422_naming_the_field(served):
     assert call(served, "GET", "/v1/builds", token=BOOT).status_code == 200
 
 
+# -- Low: a write token cannot judge an engine more leniently and move a tag without a recorded reason ----------
+def test_a_looser_or_shorter_judgement_without_a_reason_is_a_422_naming_the_field_and_starts_nothing(served):
+    before = call(served, "GET", "/v1/builds", token=BOOT).json()
+    for spec, field in ((tiny_spec(gates={"max_mean_kl": 0.5}), "gates.max_mean_kl"),
+                        (tiny_spec(gates={"min_top1_agreement": 0.5}), "gates.min_top1_agreement"),
+                        (tiny_spec(), "evaluation.max_tokens")):
+        spec.pop("override_reason")
+        r = call(served, "POST", "/v1/builds", token=BOOT, json=spec)
+        assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+        assert "override_reason" in r.json()["error"]["fix"]
+        r = call(served, "POST", "/v1/builds", token=BOOT, json={"matrix": [spec]})
+        assert r.status_code == 422 and r.json()["error"]["field"] == f"matrix.0.{field}", r.text
+    assert call(served, "GET", "/v1/builds", token=BOOT).json() == before
+
+
 def test_a_non_finite_number_stored_earlier_breaks_no_listing(served):
     engine = sa.create_engine(f"sqlite:///{served.home / 'kiln.db'}")
     with engine.begin() as c:  # what an older version stored from {"gates": {"max_mean_kl": Infinity}}
