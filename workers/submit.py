@@ -22,7 +22,7 @@ from kiln.settings import Settings
 from kiln.spec import BuildSpec, looser_than, parse_spec
 from kiln.states import create_build
 from validation.gates import effective_gates
-from workers.capabilities import queue_name, routing_queues
+from workers.capabilities import routing_queues
 from workers.registry import is_live, waiting_reason, workers_for
 
 Enqueue = Callable[[str, str], None]
@@ -48,8 +48,7 @@ def choose_queue(workers: list, spec: BuildSpec) -> str:
     """The queue for ``spec``: for TensorRT-LLM engines the newest versioned queue (toolchain in the name) that
     a worker serves, else the generic queue, where the build waits for a capable worker."""
     advertised = {q for w in ([w for w in workers if is_live(w)] or workers) for q in (w.queues or [])}
-    candidates = routing_queues(spec.backend, spec.target, spec.tp_size, advertised)
-    return candidates[0] if candidates else queue_name(spec.backend, spec.target, tp_size=spec.tp_size)
+    return routing_queues(spec.backend, spec.target, spec.tp_size, advertised)[0]  # the generic queue is last
 
 
 #: What routing and dedupe need of the workers (plain rows, not ORM objects: read on every request).

@@ -113,3 +113,55 @@ def test_run_gc_deletes_rows_then_blobs_and_dry_run_deletes_nothing(env):
     assert blobs_of(store, b.digest) <= set(store.list_digests())
 
 
+
+
+def test_the_keep_count_is_per_slot_revoked_engines_go_and_the_report_names_everything(env):
+    store, sessions, _ = env
+    slot = [engine(env) for _ in range(5)]  # latency: the last one is fresh and tagged
+    other = [engine(env, profile="throughput") for _ in range(2)]  # another slot, within its keep
+    for i, a in enumerate(slot + other):
+        age(sessions, a.digest, 30 - i)
+    with sessions() as s:
+        move_artifact(s, s.get(Artifact, slot[0].digest), "revoked", reason="bad")
+        s.commit()
+    for a in slot[1:4] + other[:1]:
+        stale(sessions, a.digest)
+    plan = plan_gc(sessions(), store, keep=3, older_than=timedelta(days=7))
+    # latency, newest first: slot[4], slot[3], slot[2] are the three kept; slot[1] (stale) and slot[0] (revoked) go
+    assert set(plan.artifacts) == {slot[1].digest, slot[0].digest}
+    assert plan.to_dict() == {"artifacts": plan.artifacts, "referrers": plan.referrers,
+                              "stage_outputs": plan.stage_outputs, "blobs": plan.blobs, "bytes": plan.bytes,
+                              "leased": plan.leased, "deferred": None}
+    assert plan.bytes == sum(store.stat(d).size for d in plan.blobs) > 0
+    # run_gc passes its retention on: nothing is older than 40 days
+    assert run_gc(sessions, store, dry_run=True, keep=3, older_than=timedelta(days=40)).artifacts == []
+
+
+def test_a_sweep_reports_the_bytes_it_freed_and_a_plan_older_than_the_grace_period_sweeps_nothing(env):
+    store, sessions, _ = env
+    a, _b = engine(env), engine(env)
+    stale(sessions, a.digest)
+    age(sessions, a.digest, 30)
+    late = run_gc(sessions, store, dry_run=False, keep=1, grace=timedelta(0))  # any plan is older than 0 s
+    assert (late.blobs, late.bytes) == ([], 0) and "older than the 0:00:00 grace period" in late.deferred
+    done = run_gc(sessions, store, dry_run=False, keep=1)
+    assert done.blobs and done.bytes == sum(done.sizes[d] for d in done.blobs) and done.deferred is None
+
+
+def test_fsck_names_every_missing_blob_of_every_engine_and_stage_output(env):
+    from builder.gc import missing_blobs
+    from kiln.models import StageOutput
+
+    store, sessions, _ = env
+    a, b = engine(env), engine(env)
+    gone = [read_manifest(store, a.digest)["config"]["digest"], read_manifest(store, b.digest)["config"]["digest"]]
+    lost = "sha256:" + "e" * 64
+    with sessions() as s:
+        s.add(StageOutput(key="sha256:" + "f" * 64, stage="quantize", digest=lost, size=1))
+        s.commit()
+    for d in gone:
+        store.delete(d)
+    with sessions() as s:
+        missing = missing_blobs(s, store)
+    assert sorted(missing) == sorted([(gone[0], f"engine {a.digest}"), (gone[1], f"engine {b.digest}"),
+                                      (lost, f"quantize output sha256:{'f' * 64}")])

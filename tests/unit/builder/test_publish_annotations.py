@@ -68,3 +68,37 @@ def test_published_manifest_carries_standard_and_kiln_annotations(registry, tmp_
             a["dev.kiln.engine.backend"], a["dev.kiln.engine.runtime"]) == (target, "fp8", "balanced", backend, runtime)
     labels = json.loads(store.get_bytes(manifest["config"]["digest"]))["config"]["Labels"]
     assert all(labels[f"dev.kiln.engine.{k}"] == a[f"dev.kiln.engine.{k}"] for k in KILN)
+
+
+@pytest.mark.parametrize("backend,target,tag", [
+    ("aot-inductor", "cpu", "fp8-cpu-latency"), ("checkpoint", "cpu", "fp8-cpu-latency-checkpoint"),
+    ("trtllm-engine", "sm90", "fp8-sm90-latency"), ("checkpoint", "sm90", "fp8-sm90-latency-checkpoint"),
+    ("aot-inductor", "sm90", "fp8-sm90-latency-aot-inductor"),
+])
+def test_a_tag_names_precision_target_and_profile_and_the_backend_unless_it_is_the_targets_default(backend, target, tag):
+    from builder.publish import tag_for
+
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "precision": "fp8", "backend": backend,
+                       "target": target}, [])
+    assert tag_for(spec) == tag
+
+
+def test_source_urls_runtimes_and_json_annotations_are_exact():
+    from builder.publish import _source_url, annotations_for, runtime_for
+
+    assert _source_url("hf://acme/tiny@refs@odd") == "https://huggingface.co/acme/tiny"
+    assert _source_url("s3://bucket/prefix") == "s3://bucket/prefix"
+    assert _source_url("/ckpt/tiny") == "file:///ckpt/tiny"
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "precision": "fp8", "backend": "trtllm-engine",
+                       "target": "sm90"}, [])
+    assert runtime_for(spec, {}) == "tensorrt_llm=absent,tensorrt=absent"
+    cpu = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "precision": "fp8"}, [])
+    assert runtime_for(cpu, {}) == "torch=absent"
+    toolchain = {"torch": "2.13", "modelopt": "0.47"}
+    prov = {"created": "2026-01-01T00:00:00Z", "toolchain": toolchain,
+            "checkpoint": {"ref": cpu.checkpoint, "digest": "sha256:" + "c" * 64, "revision": "a" * 40}}
+    notes = annotations_for(cpu, "sha256:" + "d" * 64, prov, True)
+    assert notes["dev.kiln.profile"] == json.dumps(cpu.batch_profile.model_dump(), sort_keys=True)
+    assert notes["dev.kiln.profile"].index("max_num_tokens") < notes["dev.kiln.profile"].index("max_seq_len")  # sorted
+    assert notes["dev.kiln.toolchain"] == '{"modelopt": "0.47", "torch": "2.13"}'
+    assert notes["org.opencontainers.image.title"] == "acme/tiny"

@@ -220,7 +220,10 @@ def test_a_build_with_no_live_worker_says_so(env):
     settings, sessions, broker = env
     made = submit(settings, sessions, spec_of(settings, TRT), broker)
     assert made.build.queue == "kiln.trtllm-engine.sm90"
-    assert "no such worker is live" in row(sessions, made.build.id).reason
+    assert row(sessions, made.build.id).reason == ("waiting for a worker that builds trtllm-engine engines for sm90 "
+                                                   "(queue kiln.trtllm-engine.sm90); no such worker is live")
+    b = row(sessions, made.build.id)
+    assert (b.stages, b.attempts, b.cancel_requested) == ([], 0, False)
 
 
 def test_broker_down_leaves_the_build_queued_with_the_reason(env):
@@ -228,7 +231,9 @@ def test_broker_down_leaves_the_build_queued_with_the_reason(env):
     broker.down = True
     made = submit(settings, sessions, spec_of(settings, CPU), broker)
     b = row(sessions, made.build.id)
-    assert made.outcome == "created" and b.status == "queued" and b.reason.startswith("not yet handed to the broker")
+    assert made.outcome == "created" and b.status == "queued"
+    assert b.reason == made.build.reason == ("not yet handed to the broker (ConnectionError: broker unreachable); "
+                                             "it will be re-enqueued")
 
 
 # -- cancel then resubmit (through the API) ------------------------------------------------------------------
@@ -282,6 +287,8 @@ def test_runner_claims_runs_and_finishes_from_an_existing_engine(env, tmp_path):
     assert (b.status, b.digest, b.worker, b.attempts, b.active_key) == ("succeeded", engine.digest, "w1", 1, None)
     assert b.started_at is not None and b.finished_at is not None and b.stage is None
     assert [st["name"] for st in b.stages] == ["resolve", "quantize", "compile", "validate", "publish"]
+    assert all(set(st) == {"name", "status", "seconds"} and st["seconds"] == round(st["seconds"], 3) for st in b.stages)
+    assert b.build_key == prepared(settings, sessions, spec).build_key
     assert statuses(sessions, b.id) == ["queued", "running", "succeeded"]
     assert b.reason is None and b.error is None
     with sessions() as s:
@@ -289,6 +296,9 @@ def test_runner_claims_runs_and_finishes_from_an_existing_engine(env, tmp_path):
                                                                    BuildEvent.kind == "status").order_by(BuildEvent.id))]
     assert data[1] == {"status": "running", "worker": "w1"} and data[2] == {"status": "succeeded", "digest": engine.digest}
     assert data[0]["status"] == "queued" and set(data[0]) == {"status", "reason"}
+    # the next identical request is answered by this engine, with the build that produced it
+    again = submit(settings, sessions, spec, broker)
+    assert (again.outcome, again.artifact.digest, again.build.id) == ("existing-artifact", engine.digest, b.id)
     # a redelivered message leaves a finished build alone
     assert runner.run_build(made.build.id, settings, "w2") == "succeeded"
     assert row(sessions, b.id).worker == "w1" and statuses(sessions, b.id) == ["queued", "running", "succeeded"]
@@ -298,10 +308,15 @@ def test_runner_reports_a_rejected_engine_as_failed_validation(env, tmp_path):
     settings, sessions, broker = env
     spec = spec_of(settings, CPU)
     made = submit(settings, sessions, spec, broker)
-    publish_for(settings, sessions, spec, prepared(settings, sessions, spec).build_key, tmp_path, passed=False)
+    key = prepared(settings, sessions, spec).build_key
+    rejected = publish_for(settings, sessions, spec, key, tmp_path, passed=False)
     assert runner.run_build(made.build.id, settings, "w1") == "failed"
     b = row(sessions, made.build.id)
-    assert (b.status, b.reason, b.error["code"]) == ("failed", "validation", "validation_failed")
+    assert (b.status, b.reason, b.digest, b.build_key) == ("failed", "validation", rejected.digest, key)
+    assert b.error == {"code": "validation_failed", "message": "the engine failed validation; stored as rejected"}
+    assert [(st["name"], st["status"]) for st in b.stages] == [("resolve", "cached")] + [
+        (n, "cached") for n in ("quantize", "compile", "validate", "publish")]
+    assert all(st["seconds"] == round(st["seconds"], 3) for st in b.stages)
 
 
 def test_runner_fails_a_build_whose_checkpoint_is_gone(env, tmp_path):
@@ -628,3 +643,53 @@ def test_a_failed_builds_recorded_error_names_the_workers_places_not_its_paths(e
     assert "$KILN_HOME/cache/compile/.staging-1/out/model.pt2" in err["message"]
     for leaked in (home, str(tmp_path), tempfile.gettempdir() + "/"):
         assert leaked not in json.dumps(err), (leaked, err)
+
+
+def test_dedupe_uses_the_toolchains_of_known_workers_when_none_is_live_and_answers_with_the_newest_engine(env, tmp_path):
+    from workers.submit import candidate_keys
+
+    settings, sessions, broker = env
+    spec = spec_of(settings, TRT)
+    p = prepared(settings, sessions, spec)
+    generic = "kiln.trtllm-engine.sm90"
+    add_worker(sessions, "plain", [generic])  # live, advertising no toolchains at all
+    with sessions() as s:
+        assert candidate_keys(s.scalars(select(Worker)).all(), p, generic) == {p.build_key}
+        s.get(Worker, "plain").last_heartbeat = datetime.now(timezone.utc) - timedelta(hours=1)
+        s.commit()
+    add_worker(sessions, "old", [generic], {generic: TC_OLD}, live=False)
+    add_worker(sessions, "new", [generic], {generic: TC_NEW}, live=False)
+    key_old = build_key(p.resolved.digest, spec, TC_OLD, p.gates, p.data)
+    key_new = build_key(p.resolved.digest, spec, TC_NEW, p.gates, p.data)
+    with sessions() as s:  # no worker is live: every known worker's toolchain counts
+        assert candidate_keys(s.scalars(select(Worker)).all(), p, generic) == {key_old, key_new}
+    publish_for(settings, sessions, spec, key_new, tmp_path / "n")
+    newer = publish_for(settings, sessions, spec, key_old, tmp_path / "o")  # published second: the newest
+    with sessions() as s:
+        s.get(Artifact, newer.digest).created_at = datetime.now(timezone.utc) + timedelta(seconds=1)
+        s.commit()
+    found = submit(settings, sessions, spec, broker)
+    assert (found.outcome, found.artifact.digest) == ("existing-artifact", newer.digest)
+
+
+def test_a_tracked_models_gates_and_each_matrix_entry_are_the_baseline(env):
+    from kiln.errors import SpecError
+    from kiln.models import TrackedModel
+
+    settings, sessions, broker = env
+    other = {"precision": "fp8", "target": "cpu", "backend": "aot-inductor", "profile": "throughput"}
+    broken = {"precision": "fp8", "target": "sm70"}  # an entry no longer valid: skipped, the others still count
+    mine = {"precision": "fp8", "target": "cpu", "backend": "aot-inductor", "profile": "latency",
+            "calibration": CPU["calibration"]}  # no gates of its own: the model's apply
+    with sessions() as s:
+        s.add(TrackedModel(name="acme/tiny", checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
+                           head_sha=None, matrix=[broken, other, mine],
+                           gates={"max_mean_kl": 0.02, "min_top1_agreement": 0.9}))
+        s.commit()
+    with pytest.raises(SpecError) as e:
+        submit(settings, sessions, spec_of(settings, CPU), broker)
+    assert [d["field"] for d in e.value.details] == ["gates.max_mean_kl", "gates.min_top1_agreement"]
+    assert e.value.details[0]["message"] == "0.05 is looser than acme/tiny's tracked matrix (0.02)"
+    assert broker.sent == []
+    strict = {**CPU, "gates": {"max_mean_kl": 0.02, "min_top1_agreement": 0.9}}
+    assert submit(settings, sessions, spec_of(settings, strict), broker).outcome == "created"

@@ -59,7 +59,8 @@ def test_a_cancel_during_a_stage_stops_the_build_at_the_next_boundary_with_its_s
                                             ("quantize", "started"), ("quantize", "finished")]
     # resolve: the checkpoint was identified at submit (its manifest cached); quantize ran here
     assert [(st["name"], st["status"]) for st in b.stages] == [("resolve", "cached"), ("quantize", "ran")]
-    assert all(isinstance(st["seconds"], float) and st["seconds"] >= 0 for st in b.stages) and b.stage == "quantize"
+    assert all(isinstance(st["seconds"], float) and st["seconds"] == round(st["seconds"], 3) for st in b.stages)
+    assert b.stage == "quantize"
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(Artifact)) == 0
         # the finished quantize output went to the store: a resubmitted build reuses it
@@ -86,7 +87,7 @@ def test_a_storage_error_mid_stage_requeues_the_build_then_fails_it_on_the_last_
     assert statuses(sessions, b.id) == ["queued", "running", "queued", "running", "failed"]
 
 
-def test_a_domain_error_fails_the_build_with_its_code_and_a_crash_as_an_internal_error(env, monkeypatch):
+def test_a_domain_error_fails_the_build_with_its_code_and_a_crash_as_an_internal_error(env, monkeypatch, caplog):
     settings, sessions, broker = env
     first = submit(settings, sessions, spec_of(settings, CPU), broker)
 
@@ -105,7 +106,9 @@ def test_a_domain_error_fails_the_build_with_its_code_and_a_crash_as_an_internal
         raise ZeroDivisionError("division by zero")
 
     fake_quantize(monkeypatch, crashes)
+    caplog.set_level(logging.ERROR, logger="workers.runner")
     assert runner.run_build(second.build.id, settings, "w1") == "failed"
+    assert f"build {second.build.id} crashed" in caplog.messages  # the full trace goes to the worker's log
     b = row(sessions, second.build.id)
     assert (b.status, b.reason, b.error) == ("failed", "internal_error", {
         "code": "internal_error", "message": "ZeroDivisionError: division by zero"})
@@ -133,6 +136,8 @@ def test_redact_names_each_place_longest_first_in_every_value_and_leaves_the_roo
 
     home = tmp_path / "home"
     home.mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert runner.redact(f"see {tmp_path}/user/.cache", Settings(home=home)) == "see ~/.cache"  # $HOME is ~
     monkeypatch.setenv("HOME", "/")  # a service user whose home is / : "/" is no place to name
     monkeypatch.chdir("/")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the home lies under the temporary directory
@@ -172,6 +177,7 @@ def test_the_reconciler_goes_on_past_a_build_it_leaves_alone(env):
         young.created_at = datetime.now(timezone.utc)  # re-queued just now: first of the two, and too young
         old = s.get(Build, ids[2])
         old.created_at = datetime.now(timezone.utc) - timedelta(seconds=5.5)  # older than the default 5 s
+        s.get(Build, ids[0]).created_at = old.created_at  # as old, but running: not re-enqueued
         s.commit()
     asked = []
     depth = lambda queue: asked.append(queue) or 0  # noqa: E731
@@ -190,9 +196,13 @@ def test_the_registry_registers_beats_and_says_who_serves_a_queue(env):
     with sessions() as s:
         assert registry.waiting_reason(s, q, "aot-inductor", "cpu") == (
             f"waiting for a worker that builds aot-inductor engines for cpu (queue {q}); no such worker is live")
-        registry.register(s, "w1", {"queues": [q], "toolchains": {}})
+        caps = {"queues": [q], "toolchains": {q: {"torch": "2.13.0"}}}
+        before = datetime.now(timezone.utc)
+        registry.register(s, "w1", caps)
         registry.register(s, "w2", {"queues": ["kiln.checkpoint.cpu"], "toolchains": {}})
         w1 = s.get(Worker, "w1")
+        assert (w1.queues, w1.capabilities) == ([q], caps)
+        assert registry._aware(w1.started_at) == registry._aware(w1.last_heartbeat) >= before - timedelta(seconds=1)
         w1.last_heartbeat = datetime.now(timezone.utc) - timedelta(hours=1)
         s.commit()
         live, known = registry.workers_for(s, q)  # from a session
