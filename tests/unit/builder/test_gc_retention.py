@@ -29,7 +29,7 @@ def env(tmp_path):
     return open_store(settings.store), db.session_factory(settings.db_url), tmp_path
 
 
-def engine(env, *, passed=True, profile="latency") -> Artifact:
+def engine(env, *, passed=True, profile="latency", keys: dict | None = None) -> Artifact:
     store, sessions, tmp = env
     n = next(N)
     root = tmp / f"e{n}"
@@ -39,7 +39,7 @@ def engine(env, *, passed=True, profile="latency") -> Artifact:
     spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "model_name": "acme/tiny", "precision": "fp8",
                        "profile": profile, "backend": "checkpoint"}, [])
     prov = {"created": "2026-01-01T00:00:00Z", "toolchain": {}, "checkpoint": {"ref": spec.checkpoint,
-            "digest": "sha256:" + "c" * 64, "revision": "a" * 40}}
+            "digest": "sha256:" + "c" * 64, "revision": "a" * 40}, **(keys or {})}
     return publish(store, sessions, root, spec=spec, build_key=f"sha256:{n:064x}", provenance=prov,
                    validation={"passed": passed})
 
@@ -165,3 +165,27 @@ def test_fsck_names_every_missing_blob_of_every_engine_and_stage_output(env):
         missing = missing_blobs(s, store)
     assert sorted(missing) == sorted([(gone[0], f"engine {a.digest}"), (gone[1], f"engine {b.digest}"),
                                       (lost, f"quantize output sha256:{'f' * 64}")])
+
+
+def test_stage_outputs_a_fresh_or_tagged_engine_was_built_from_are_kept_the_others_go_after_the_grace_period(env):
+    from datetime import datetime, timezone
+
+    from kiln.models import StageOutput
+
+    store, sessions, _ = env
+    k = {name: f"sha256:{i:064x}" for i, name in enumerate(["q_old", "c_old", "q_new", "c_new", "q_stale", "c_stale"])}
+    old = engine(env, keys={"quantize_key": k["q_old"], "compile_key": k["c_old"]})
+    engine(env, keys={"quantize_key": k["q_new"], "compile_key": k["c_new"]})  # takes the tag: old is fresh, untagged
+    gone = engine(env, profile="throughput", keys={"quantize_key": k["q_stale"], "compile_key": k["c_stale"]})
+    stale(sessions, gone.digest)  # stale, untagged, but within keep: kept, its stage outputs not wanted
+    with sessions() as s:
+        assert s.get(Artifact, old.digest).status == "fresh"
+        used = datetime.now(timezone.utc) - timedelta(hours=2)
+        for name, key in k.items():
+            s.add(StageOutput(key=key, stage=name[0] == "q" and "quantize" or "compile", digest=key, size=1,
+                              last_used_at=used))
+        s.commit()
+    plan = plan_gc(sessions(), store, keep=2, older_than=timedelta(days=7))
+    assert sorted(plan.stage_outputs) == sorted([k["q_stale"], k["c_stale"]])
+    # run_gc passes the grace period on: used two hours ago is recent within a day
+    assert run_gc(sessions, store, dry_run=True, keep=2, grace=timedelta(days=1)).stage_outputs == []

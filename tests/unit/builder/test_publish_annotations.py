@@ -102,3 +102,5 @@ def test_source_urls_runtimes_and_json_annotations_are_exact():
     assert notes["dev.kiln.profile"].index("max_num_tokens") < notes["dev.kiln.profile"].index("max_seq_len")  # sorted
     assert notes["dev.kiln.toolchain"] == '{"modelopt": "0.47", "torch": "2.13"}'
     assert notes["org.opencontainers.image.title"] == "acme/tiny"
+    assert (notes["dev.kiln.validation.passed"], annotations_for(cpu, "sha256:" + "d" * 64, prov, False)[
+        "dev.kiln.validation.passed"]) == ("true", "false")

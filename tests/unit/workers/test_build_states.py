@@ -287,7 +287,8 @@ def test_runner_claims_runs_and_finishes_from_an_existing_engine(env, tmp_path):
     assert (b.status, b.digest, b.worker, b.attempts, b.active_key) == ("succeeded", engine.digest, "w1", 1, None)
     assert b.started_at is not None and b.finished_at is not None and b.stage is None
     assert [st["name"] for st in b.stages] == ["resolve", "quantize", "compile", "validate", "publish"]
-    assert all(set(st) == {"name", "status", "seconds"} and st["seconds"] == round(st["seconds"], 3) for st in b.stages)
+    assert all(set(st) == {"name", "status", "seconds"} and isinstance(st["seconds"], float)
+               and st["seconds"] == round(st["seconds"], 3) for st in b.stages)
     assert b.build_key == prepared(settings, sessions, spec).build_key
     assert statuses(sessions, b.id) == ["queued", "running", "succeeded"]
     assert b.reason is None and b.error is None
@@ -693,3 +694,18 @@ def test_a_tracked_models_gates_and_each_matrix_entry_are_the_baseline(env):
     assert broker.sent == []
     strict = {**CPU, "gates": {"max_mean_kl": 0.02, "min_top1_agreement": 0.9}}
     assert submit(settings, sessions, spec_of(settings, strict), broker).outcome == "created"
+
+
+def test_a_matrix_identifies_each_checkpoint_once(env, monkeypatch):
+    """Spy on the real identify (it still runs): a matrix of six entries on one checkpoint reads it once."""
+    from builder import pipeline
+    from workers.submit import submit_many
+
+    settings, sessions, broker = env
+    calls = []
+    real = pipeline.identify_checkpoint
+    monkeypatch.setattr(pipeline, "identify_checkpoint", lambda ref, **kw: calls.append(ref) or real(ref, **kw))
+    specs = [spec_of(settings, {**CPU, "profile": p, "precision": q}) for p in ("latency", "balanced", "throughput")
+             for q in ("fp8", "nvfp4")]
+    assert [a.outcome for a in submit_many(settings, sessions, specs, broker)] == ["created"] * 6
+    assert calls == [str(TINY)]
