@@ -15,6 +15,7 @@ from artifacts.interfaces import BlobStore, Survey
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_engine_image, push_referrer
 from artifacts.signing import Signer, configured_signer
 from builder.attest import sign_engine
+from kiln.errors import ArtifactUnknown
 from kiln.models import Artifact, Referrer, TrackedModel
 from kiln.spec import BuildSpec
 from kiln.states import add_artifact, initial_artifact_status, move_artifact, name_engine
@@ -144,10 +145,21 @@ def name_in_repository(sessions: sessionmaker[Session], digest: str, repository:
     """Name the engine ``digest`` in ``repository`` too (and its tag there, when it is servable there): a
     build for ``repository`` whose BuildKey another repository's engine already has gets the same bytes under
     a second name, not an answer from the other repository alone."""
-    with sessions() as session:
-        artifact = session.get(Artifact, digest)
-        name_engine(session, artifact, repository, reason=f"the same build as {artifact.repository}@{digest}")
-        session.commit()
-        session.refresh(artifact)
-        session.expunge(artifact)
-        return artifact
+    for attempt in (1, 2):  # two requests naming it at once: the second finds the first's name and retries
+        with sessions() as session:
+            artifact = session.get(Artifact, digest)
+            if artifact is None:  # collected since it was found
+                raise ArtifactUnknown(f"engine {digest} was removed while it was being named in {repository}",
+                                      field="checkpoint", fix="submit the build again")
+            try:
+                name_engine(session, artifact, repository, reason=f"the same build as {artifact.repository}@{digest}")
+                session.commit()
+            except IntegrityError:
+                session.rollback()
+                if attempt == 2:
+                    raise
+                continue
+            session.refresh(artifact)
+            session.expunge(artifact)
+            return artifact
+    raise AssertionError("unreachable")

@@ -63,8 +63,9 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 class Build(Base):
-    """One build request. ``active_key`` equals ``request_key`` while the build is queued or running and is
-    NULL afterwards: its unique constraint is what makes concurrent identical submissions one build."""
+    """One build request. ``active_key`` is the request key within its repository (workers/submit.py) while the
+    build is queued or running and NULL afterwards: its unique constraint is what makes concurrent identical
+    submissions for one repository one build."""
 
     __tablename__ = "builds"
 

@@ -165,13 +165,26 @@ def named_in(session: Session, artifact: Artifact, repository: str) -> bool:
 
 def name_engine(session: Session, artifact: Artifact, repository: str, *, reason: str) -> bool:
     """Name ``artifact`` in ``repository`` too, and point that repository's tag for its variant at it when it
-    is servable there: fresh, and built from ``repository``'s tracked head if it tracks one (checked again with
-    the model's row held, as publish does, so that a concurrent head move is always seen by one side). Returns
-    whether the tag names it. Caller commits."""
-    if artifact.repository != repository and session.get(EngineName, (repository, artifact.digest)) is None:
+    is servable there: fresh, and built from ``repository``'s tracked head if it tracks one. A name that exists
+    already moves no tag unless the repository has none for the variant (a repeated request never moves a tag
+    back from the repository's own newer engine). The engine's and the model's rows are read again under a lock
+    after this transaction's first write, so that a concurrent revoke, staling or head move is always seen by
+    one side (PostgreSQL: the row locks; SQLite: its write lock). Returns whether the tag names it. Caller
+    commits."""
+    if artifact.repository == repository:
+        return False  # its own repository: publish tagged it
+    key = (repository, artifact.digest)
+    if session.get(EngineName, key) is None:
         session.add(EngineName(repository=repository, digest=artifact.digest, reason=reason))
         session.flush()
-    if artifact.status != "fresh":
+    elif session.get(Tag, (repository, artifact.tag)) is not None:
+        return session.get(Tag, (repository, artifact.tag)).digest == artifact.digest
+    else:  # a write before the checks below (SQLite's write lock), as the insert above is
+        session.execute(update(EngineName).where(EngineName.repository == repository,
+                                                 EngineName.digest == artifact.digest)
+                        .values(reason=EngineName.reason))
+    artifact = session.get(Artifact, artifact.digest, with_for_update=True, populate_existing=True)
+    if artifact is None or artifact.status != "fresh":
         return False
     model = session.get(TrackedModel, repository, with_for_update=True, populate_existing=True)
     if model is not None and model.head_sha is not None and model.head_sha != artifact.checkpoint_revision:

@@ -10,7 +10,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from builder.resolve import identify_checkpoint
@@ -55,7 +55,7 @@ def head_of(settings: Settings, repo: str, branch: str) -> str:
 def mark_stale(session: Session, model: TrackedModel) -> int:
     """Engines of ``model`` built from anything but its head become stale; tags stop naming them."""
     rows = session.scalars(select(Artifact).where(Artifact.repository == model.name, Artifact.status == "fresh",
-                                                  Artifact.checkpoint_revision != model.head_sha)).all()
+                                                  or_(Artifact.checkpoint_revision.is_(None), Artifact.checkpoint_revision != model.head_sha))).all()
     why = f"{model.hf_repo}@{model.branch} moved to {model.head_sha}"
     for a in rows:
         move_artifact(session, a, "stale", reason=why)
@@ -63,7 +63,7 @@ def mark_stale(session: Session, model: TrackedModel) -> int:
     # for their publisher), so only this repository's tags stop naming them
     named = (select(Tag).join(Artifact, Artifact.digest == Tag.digest)
              .where(Tag.repository == model.name, Artifact.repository != model.name,
-                    Artifact.checkpoint_revision != model.head_sha))
+                    or_(Artifact.checkpoint_revision.is_(None), Artifact.checkpoint_revision != model.head_sha)))
     for tag in session.scalars(named).all():
         remove_tag(session, model.name, tag.name, reason=f"stale for {model.name}: {why}")
     return len(rows)

@@ -75,6 +75,7 @@ def check_strictness(settings: Settings, spec: BuildSpec, model) -> None:
     precision's defaults the same way). Raises SpecError naming the looser field."""
     if model is None or (spec.override_reason or "").strip():
         return
+    refusals = []  # one list per matrix entry of this variant; a spec as strict as any one of them passes
     for entry in model.matrix or []:
         try:
             base = parse_spec({**entry, "gates": {**(model.gates or {}), **entry.get("gates", {})},
@@ -83,11 +84,13 @@ def check_strictness(settings: Settings, spec: BuildSpec, model) -> None:
             continue
         if _variant(base) != _variant(spec):
             continue
-        errs = looser_than({"gates": effective_gates(spec.precision, spec.gates), "evaluation": spec.evaluation},
-                           effective_gates(base.precision, base.gates), base.evaluation.model_dump(),
-                           f"{model.name}'s tracked matrix")
-        if errs:
-            raise SpecError(errs[0]["message"], field=errs[0]["field"], fix=errs[0]["fix"], details=errs)
+        refusals.append(looser_than({"gates": effective_gates(spec.precision, spec.gates),
+                                     "evaluation": spec.evaluation},
+                                    effective_gates(base.precision, base.gates), base.evaluation.model_dump(),
+                                    f"{model.name}'s tracked matrix"))
+    if refusals and all(refusals):
+        errs = refusals[0]
+        raise SpecError(errs[0]["message"], field=errs[0]["field"], fix=errs[0]["fix"], details=errs)
 
 
 def submit(settings: Settings, sessions: sessionmaker[Session], spec: BuildSpec, enqueue: Enqueue, *,

@@ -212,3 +212,42 @@ def test_a_queued_build_for_another_repository_finds_the_engine_published_meanwh
     with sessions() as s:
         assert s.get(Build, queued.build.id).digest == engine.digest
     assert _tag(sessions, A, engine.tag) == engine.digest
+
+
+def test_a_repeated_request_never_moves_the_tag_back_from_the_repositorys_own_newer_engine(env, tmp_path):
+    settings, sessions, broker = env
+    engine = _published_under_b(settings, sessions, tmp_path)
+    spec_a = spec_of(settings, {**CPU, "model_name": A})
+    submit(settings, sessions, spec_a, broker)
+    assert _tag(sessions, A, engine.tag) == engine.digest
+    own = publish_for(settings, sessions, spec_a, "sha256:" + "9" * 64, tmp_path / "own")  # A's own, newer
+    assert _tag(sessions, A, engine.tag) == own.digest
+    again = submit(settings, sessions, spec_a, broker)
+    assert again.artifact.digest == engine.digest and _tag(sessions, A, engine.tag) == own.digest
+
+
+def test_an_engine_without_a_revision_is_stale_for_a_repository_that_tracks_a_head(env, tmp_path):
+    settings, sessions, broker = env
+    engine = _published_under_b(settings, sessions, tmp_path)  # a local checkpoint: no revision
+    submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    assert _tag(sessions, A, engine.tag) == engine.digest  # A tracks nothing yet
+    _track(sessions, A, REV)
+    with sessions() as s:
+        mark_stale(s, s.get(TrackedModel, A))
+        s.commit()
+    assert _tag(sessions, A, engine.tag) is None and _tag(sessions, B, engine.tag) == engine.digest
+
+
+def test_a_build_as_strict_as_any_matrix_entry_of_its_variant_passes(env):
+    settings, sessions, broker = env
+    entry = {k: v for k, v in MATRIX_ENTRY.items() if k not in ("gates", "evaluation")}
+    with sessions() as s:
+        s.add(TrackedModel(name=B, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
+                           head_sha=None, matrix=[{**entry, "gates": {"max_mean_kl": 0.02}},
+                                                  {**entry, "gates": {"max_mean_kl": 0.04}}], gates={}))
+        s.commit()
+    spec = spec_of(settings, {**CPU, "gates": {"max_mean_kl": 0.04}})  # the second entry's own build
+    assert submit(settings, sessions, spec, broker).outcome == "created"
+    with pytest.raises(SpecError) as e:  # looser than both
+        submit(settings, sessions, spec_of(settings, {**CPU, "gates": {"max_mean_kl": 0.045}}), broker)
+    assert e.value.field == "gates.max_mean_kl"
