@@ -173,12 +173,11 @@ def name_engine(session: Session, artifact: Artifact, repository: str, *, reason
     commits."""
     if artifact.repository == repository:
         return False  # its own repository: publish tagged it
-    key = (repository, artifact.digest)
-    if session.get(EngineName, key) is None:
+    if session.get(EngineName, (repository, artifact.digest)) is None:
         session.add(EngineName(repository=repository, digest=artifact.digest, reason=reason))
         session.flush()
-    elif session.get(Tag, (repository, artifact.tag)) is not None:
-        return session.get(Tag, (repository, artifact.tag)).digest == artifact.digest
+    elif (tag := session.get(Tag, (repository, artifact.tag))) is not None:
+        return tag.digest == artifact.digest
     else:  # a write before the checks below (SQLite's write lock), as the insert above is
         session.execute(update(EngineName).where(EngineName.repository == repository,
                                                  EngineName.digest == artifact.digest)

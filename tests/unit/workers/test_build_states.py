@@ -332,17 +332,23 @@ def test_runner_fails_a_build_whose_checkpoint_is_gone(env, tmp_path):
     assert statuses(sessions, b.id) == ["queued", "running", "failed"]
 
 
-def test_runner_leaves_a_build_running_on_another_live_worker(env):
+def test_runner_leaves_a_build_running_on_another_live_worker(env, caplog):
+    import logging
+
     settings, sessions, broker = env
+    caplog.set_level(logging.INFO, logger="workers.runner")
     made = submit(settings, sessions, spec_of(settings, CPU), broker)
     add_worker(sessions, "w1", ["kiln.aot-inductor.cpu"])
     with sessions() as s:
         assert move_build_if_unchanged(s, s.get(Build, made.build.id), "running", worker="w1")
         s.commit()
     assert runner.run_build(made.build.id, settings, "w2") == "running"
+    assert f"build {made.build.id} is running on live worker w1; duplicate message dropped" in caplog.messages
     b = row(sessions, made.build.id)
     assert (b.worker, b.attempts) == ("w1", 1)
+    assert statuses(sessions, made.build.id) == ["queued", "running"]
     assert runner.run_build("0" * 32, settings, "w2") == "missing"
+    assert f"build {'0' * 32} does not exist; message dropped" in caplog.messages
 
 
 def test_of_two_claims_on_one_read_exactly_one_wins(env):

@@ -114,21 +114,6 @@ def test_a_domain_error_fails_the_build_with_its_code_and_a_crash_as_an_internal
         "code": "internal_error", "message": "ZeroDivisionError: division by zero"})
 
 
-def test_messages_for_a_missing_build_or_one_running_on_a_live_worker_are_dropped_and_logged(env, caplog):
-    settings, sessions, broker = env
-    caplog.set_level(logging.INFO, logger="workers.runner")
-    assert runner.run_build("no-such-build", settings, "w1") == "missing"
-    assert "build no-such-build does not exist; message dropped" in caplog.messages
-    made = submit(settings, sessions, spec_of(settings, CPU), broker)
-    add_worker(sessions, "w1", ["kiln.aot-inductor.cpu"])
-    with sessions() as s:
-        assert move_build_if_unchanged(s, s.get(Build, made.build.id), "running", worker="w1")
-        s.commit()
-    assert runner.run_build(made.build.id, settings, "w2") == "running"
-    assert f"build {made.build.id} is running on live worker w1; duplicate message dropped" in caplog.messages
-    assert (row(sessions, made.build.id).worker, statuses(sessions, made.build.id)) == ("w1", ["queued", "running"])
-
-
 def test_redact_names_each_place_longest_first_in_every_value_and_leaves_the_root_alone(tmp_path, monkeypatch):
     import tempfile
 
