@@ -19,6 +19,7 @@ their identified ETag into ``<cache>/s3/<digest>``.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -114,9 +115,10 @@ def _read_config_file(path: Path, where: str) -> dict:
         return parse_config(f.read(MAX_CONFIG_BYTES + 1), where)
 
 
-#: fingerprint → (digest, manifest), in front of the memo files: the service resolves the same folder on every
-#: request for it, and re-reading and re-hashing its manifest would cost more than the fingerprint.
-_MEMO: dict[str, tuple[str, list[dict]]] = {}
+#: fingerprint → (digest, manifest, config), in front of the memo files: the service resolves the same folder on
+#: every request for it, and re-reading and re-hashing its manifest would cost more than the fingerprint. The
+#: fingerprint covers config.json's stat too, so a changed config is read again.
+_MEMO: dict[str, tuple[str, list[dict], dict]] = {}
 
 
 def _identify_local(ref: str, cache_root: Path) -> tuple[ResolvedCheckpoint, bool]:
@@ -127,11 +129,11 @@ def _identify_local(ref: str, cache_root: Path) -> tuple[ResolvedCheckpoint, boo
     if not (path / "config.json").is_file():
         raise CheckpointNotFound(f"{path.name} has no config.json", field="checkpoint",
                                  fix="point at a Hugging Face format checkpoint directory")
-    config = _read_config_file(path / "config.json", path.name)
     fingerprint = _fingerprint(path).split(":")[1]
     if (known := _MEMO.get(fingerprint)) is not None:
-        return ResolvedCheckpoint(ref, "local", known[0], path, None, known[1], config,
+        return ResolvedCheckpoint(ref, "local", known[0], path, None, known[1], copy.deepcopy(known[2]),
                                   sum(f["size"] for f in known[1])), True
+    config = _read_config_file(path / "config.json", path.name)
     memo = cache_root / "local" / (fingerprint + ".json")
     was_cached = memo.is_file()
     if was_cached:
@@ -145,7 +147,7 @@ def _identify_local(ref: str, cache_root: Path) -> tuple[ResolvedCheckpoint, boo
     digest = sha256_json({"files": files})
     if len(_MEMO) >= 256:
         _MEMO.clear()
-    _MEMO[fingerprint] = (digest, files)
+    _MEMO[fingerprint] = (digest, files, copy.deepcopy(config))
     return ResolvedCheckpoint(ref, "local", digest, path, None, files, config, sum(f["size"] for f in files)), was_cached
 
 

@@ -150,8 +150,9 @@ def local_path(ref: str, *, field: str = "checkpoint") -> Path:
     return path.resolve()
 
 
-def check_checkpoint_ref(ref: str, roots: list[Path]) -> dict | None:
-    """Shape of the reference, and local paths only under the configured roots (no traversal)."""
+def check_checkpoint_ref(ref: str, roots: list[Path], *, resolved: dict | None = None) -> dict | None:
+    """Shape of the reference, and local paths only under the configured roots (no traversal). ``resolved``:
+    where given, the local path as resolved here is left in it under ``"path"`` (one resolution per spec)."""
     if not isinstance(ref, str) or not ref.strip():
         return _bad("checkpoint", "is empty", "give hf://org/name@revision, s3://bucket/prefix or a directory")
     if any(ord(c) < 32 or c == "\x7f" for c in ref):
@@ -167,6 +168,8 @@ def check_checkpoint_ref(ref: str, roots: list[Path]) -> dict | None:
     if "://" in ref and not ref.startswith("file://"):
         return _bad("checkpoint", f"unsupported scheme in {ref!r}", "use hf://, s3://, file:// or a directory path")
     path = local_path(ref)
+    if resolved is not None:
+        resolved["path"] = path
     if not any(path == root or path.is_relative_to(root) for root in roots):
         # the reference as given: its resolved form would show the server's working directory or $HOME
         return _bad("checkpoint", f"{ref!r} is outside the allowed checkpoint roots",
@@ -177,20 +180,21 @@ def check_checkpoint_ref(ref: str, roots: list[Path]) -> dict | None:
     return None
 
 
-def default_model_name(ref: str) -> str:
+def default_model_name(ref: str, *, path: Path | None = None) -> str:
+    """The repository name a spec without ``model_name`` gets; ``path``: a local ref's path, already resolved."""
     if ref.startswith("hf://"):
         base = ref[5:].split("@", 1)[0]
     elif ref.startswith("s3://"):
         base = urlparse(ref).path.strip("/").split("/")[-1] or urlparse(ref).netloc
     else:
-        base = Path(urlparse(ref).path if ref.startswith("file://") else ref).resolve().name
+        base = (path or Path(urlparse(ref).path if ref.startswith("file://") else ref).resolve()).name
     name = re.sub(r"[^a-z0-9./_-]+", "-", base.lower()).strip("-._/")
     return re.sub(r"[-._]{2,}", "-", name) or "model"
 
 
-def _rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
+def _rules(d: dict[str, Any], roots: list[Path], resolved: dict | None = None) -> list[dict]:
     errs: list[dict] = []
-    if (e := check_checkpoint_ref(d["checkpoint"], roots)):
+    if (e := check_checkpoint_ref(d["checkpoint"], roots, resolved=resolved)):
         errs.append(e)
     if d["precision"] not in PRECISIONS:
         errs.append(_bad("precision", f"{d['precision']!r} is not supported", f"use one of: {', '.join(PRECISIONS)}"))
@@ -359,13 +363,14 @@ def parse_spec(data: dict[str, Any], roots: list[Path]) -> BuildSpec:
     d["calibration"], d["evaluation"], d["profile"] = raw.calibration, raw.evaluation, raw.profile
     if isinstance(d["profile"], BatchProfile):
         d["profile"] = d["profile"].model_dump()
-    errs = _rules(d, roots)
+    resolved: dict = {}  # a local checkpoint's path, resolved once (the service parses a spec per request)
+    errs = _rules(d, roots, resolved)
     if errs:
         raise SpecError(errs[0]["message"], field=errs[0]["field"], fix=errs[0]["fix"], details=errs)
     if isinstance(d["profile"], dict):
         d["profile"] = BatchProfile(**d["profile"])
-    d["model_name"] = d.get("model_name") or default_model_name(d["checkpoint"])
-    ref = d["checkpoint"]
-    if not ref.startswith(("hf://", "s3://")):  # a local path means the same folder to every process
-        d["checkpoint"] = str(local_path(ref))
+    path = resolved.get("path")
+    d["model_name"] = d.get("model_name") or default_model_name(d["checkpoint"], path=path)
+    if path is not None:  # a local path means the same folder to every process
+        d["checkpoint"] = str(path)
     return BuildSpec.model_validate(d)

@@ -110,7 +110,7 @@ def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list
     identified: dict = {}  # this request's checkpoint identities: a matrix identifies each checkpoint once
     prepared = [builder.prepare(spec, check_environment=False, identified=identified)[0] for spec in specs]
     with (reads or sessions)() as session:
-        workers = session.execute(WORKERS).all()
+        workers = session.connection().execute(WORKERS).all()  # plain rows: no ORM loading
         queues = [choose_queue(workers, spec) for spec in specs]
         candidates = [candidate_keys(workers, p, q) for p, q in zip(prepared, queues)]
         rows = session.execute(EXISTING, {"keys": sorted(set().union(*candidates))}).all()

@@ -152,6 +152,17 @@ def test_replaced_file_invalidates_the_memo(ckpt, cache):
     os.replace(tmp, path)
     again, cached = resolve(ckpt, cache)
     assert not cached and again.digest != first.digest
+    assert (first.config["vocab_size"], again.config["vocab_size"]) == (2048, 2049)  # the config is read again
+
+
+def test_a_memo_answer_carries_its_own_copy_of_the_config(ckpt, cache):
+    first, _ = resolve(ckpt, cache)
+    first.config["vocab_size"] = -1  # a caller changing its answer changes no later answer
+    second, cached = resolve(ckpt, cache)
+    third, _ = resolve(ckpt, cache)
+    assert cached and second.config["vocab_size"] == 2048
+    second.config["vocab_size"] = -2
+    assert third.config["vocab_size"] == 2048 and third.config is not second.config
 
 
 def test_same_size_in_place_rewrite_with_unchanged_mtime_is_detected(ckpt, cache):
