@@ -141,7 +141,9 @@ def seed_matrix(url: str, env: dict, specs: list[dict], n: int) -> list[dict]:
         keys.add(key)
         chosen.append(raw)
         digest = f"sha256:{i + 7 * 10**9:064x}"
-        rows.append({"digest": digest, "build_key": key, "repository": "bench/matrix",
+        # in the repository the request names (the checkpoint's default model name): an engine of another
+        # repository would be named in this one on every request (a write per entry, issue 13)
+        rows.append({"digest": digest, "build_key": key, "repository": spec.model_name,
                      "tag": f"m{i}", "precision": spec.precision, "target": spec.target, "profile": raw["profile"],
                      "backend": spec.backend, "status": "fresh", "checkpoint_ref": "local", "checkpoint_digest": digest,
                      "checkpoint_revision": None, "size": 1, "provenance": "{}", "validation": "{}"})
