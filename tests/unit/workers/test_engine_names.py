@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from api.app import create_app
 from kiln.errors import SpecError
 from kiln.models import Artifact, Build, EngineName, Tag, TrackedModel
+from kiln.states import move_artifact
 from tests.unit.workers.test_build_states import CPU, Broker, env, prepared, publish_for, spec_of  # noqa: F401
 from workers.freshness import mark_stale
 from workers.resolution import resolve_engine
@@ -125,6 +126,20 @@ def test_an_engine_of_another_head_is_named_but_not_tagged(env, tmp_path):
     assert _tag(sessions, A, engine.tag) is None
     with sessions() as s:
         assert s.get(EngineName, (A, engine.digest)) is not None
+
+
+def test_a_stale_engine_asked_for_under_another_repository_is_named_there_but_never_tagged(env, tmp_path):
+    settings, sessions, broker = env
+    engine = _published_under_b(settings, sessions, tmp_path, revision=REV)
+    with sessions() as s:
+        move_artifact(s, s.get(Artifact, engine.digest), "stale", reason="its head moved")
+        s.commit()
+    answer = submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker)
+    assert answer.outcome == "existing-artifact" and answer.artifact.status == "stale"
+    assert _tag(sessions, A, engine.tag) is None and _tag(sessions, B, engine.tag) is None
+    with sessions() as s:
+        assert s.get(EngineName, (A, engine.digest)) is not None
+    assert _resolve(sessions, A).status != 200
 
 
 def test_an_identical_build_for_another_repository_published_second_is_named_in_it(env, tmp_path):
