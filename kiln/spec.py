@@ -192,7 +192,7 @@ def default_model_name(ref: str, *, path: Path | None = None) -> str:
     return re.sub(r"[-._]{2,}", "-", name) or "model"
 
 
-def _rules(d: dict[str, Any], roots: list[Path], resolved: dict | None = None) -> list[dict]:
+def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
     errs: list[dict] = []
     if (e := check_checkpoint_ref(d["checkpoint"], roots, resolved=resolved)):
         errs.append(e)
