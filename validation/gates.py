@@ -115,12 +115,24 @@ def _common_peak(current: list[dict], previous: list[dict]) -> tuple[tuple[int, 
 COMPARABLE_CONDITIONS = ("device", "threads", "cpus", "cpu_model", "gpu")
 
 
-def _busy(conditions: dict) -> bool:
-    """A CPU measurement taken while other work competed for the cores: the 1-minute load average exceeded the
-    CPU count by more than one (the measurement's own threads account for up to the CPU count)."""
-    load, cpus = conditions.get("load_avg_1m"), conditions.get("cpus")
-    return (str(conditions.get("device", "cpu")) == "cpu" and isinstance(load, (int, float))
-            and isinstance(cpus, int) and load > cpus + 1)
+#: a CPU timing whose threads waited for a CPU this share of their runnable time or more was taken under
+#: contention (validation.measure.cpu_wait: ~0–5 % on free cores, 30 % and more beside one busy process)
+CPU_WAIT_BUSY_PCT = 10.0
+
+
+def _busy(conditions: dict) -> str | None:
+    """Why a CPU measurement counts as taken while other work competed for the cores, or None: its threads
+    waited for a CPU for :data:`CPU_WAIT_BUSY_PCT` of their runnable time or more while it ran, or the 1-minute
+    load average exceeded the CPU count by more than one (the measurement's own threads account for up to the
+    CPU count)."""
+    if str(conditions.get("device", "cpu")) != "cpu":
+        return None
+    load, cpus, wait = conditions.get("load_avg_1m"), conditions.get("cpus"), conditions.get("cpu_wait_pct")
+    if isinstance(wait, (int, float)) and wait >= CPU_WAIT_BUSY_PCT:
+        return f"its threads waited for a CPU {wait:g} % of their runnable time"
+    if isinstance(load, (int, float)) and isinstance(cpus, int) and load > cpus + 1:
+        return f"1-minute load {load} on {cpus} CPUs"
+    return None
 
 
 def regression(metrics: dict, conditions: dict, previous: dict | None, gates: dict[str, float], *,
@@ -131,7 +143,8 @@ def regression(metrics: dict, conditions: dict, previous: dict | None, gates: di
 
     Throughput is compared as the peak best-of-reps tokens/s over the points both engines measured, and only
     under the same conditions (device, threads, CPU count and model, GPU) on CPUs that were not busy with other
-    work (1-minute load ≤ CPUs + 1, then and now); an apparent drop beyond the threshold
+    work, then and now (:func:`_busy`: the timings' threads waited for a CPU under 10 % of the time, 1-minute
+    load ≤ CPUs + 1); an apparent drop beyond the threshold
     is measured again at the previous engine's peak point with ``remeasure(batch, seq)`` (best tokens/s of more
     repetitions) before it fails. Accuracy is compared as the change in ``ppl_increase_pct``, in percentage
     points, and only when both engines were evaluated on the same text with the same settings."""
@@ -160,8 +173,7 @@ def regression(metrics: dict, conditions: dict, previous: dict | None, gates: di
     if differing:
         record["not_judged"][name] = ("measured under different conditions (" + ", ".join(
             f"{k} {prev_cond.get(k)!r} then, {conditions.get(k)!r} now" for k in differing) + ")")
-    elif busy := [f"{who} (1-minute load {c.get('load_avg_1m')} on {c.get('cpus')} CPUs)"
-                  for who, c in (("now", conditions), ("then", prev_cond)) if _busy(c)]:
+    elif busy := [f"{who} ({why})" for who, c in (("now", conditions), ("then", prev_cond)) if (why := _busy(c))]:
         record["not_judged"][name] = ("the machine was busy while throughput was measured " + " and ".join(busy)
                                       + ": a CPU timing under contention is no baseline and no evidence")
     elif cur_point is None or prev_peak <= 0:

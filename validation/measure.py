@@ -26,7 +26,9 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch.nn import functional as F
@@ -318,6 +320,46 @@ def _cpu_model() -> str | None:
     except OSError:
         pass
     return None
+
+
+def _schedstat() -> dict[str, tuple[int, int]]:
+    """Per thread of this process: (ns it ran on a CPU, ns it waited runnable for one) — Linux
+    ``/proc/self/task/<tid>/schedstat``; empty where the kernel does not provide it."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+            out[tid] = (int(ran), int(waited))
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+    return out
+
+
+@contextmanager
+def cpu_wait() -> Iterator[dict]:
+    """Measure how much of its runnable time this process spent waiting for a CPU while the block ran: yields a
+    dict that gets ``cpu_wait_pct`` (0–100) when the block ends. On free cores it stays near 0; every process
+    competing for them raises it (one busy process beside a two-thread measurement on two cores: ~30–50 %).
+    It is the direct evidence that a CPU timing was taken under contention, where the load average is a
+    one-minute trailing mean. Threads alive at both ends are counted. Nothing is added where the kernel has no
+    ``schedstat``."""
+    out: dict = {}
+    start = _schedstat()
+    try:
+        yield out
+    finally:
+        end = _schedstat()
+        ran = waited = 0
+        for tid in start.keys() & end.keys():
+            ran += end[tid][0] - start[tid][0]
+            waited += end[tid][1] - start[tid][1]
+        if ran + waited > 0:
+            out["cpu_wait_pct"] = round(100.0 * waited / (ran + waited), 1)
 
 
 def conditions(engine) -> dict:

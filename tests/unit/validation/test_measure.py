@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -104,6 +107,34 @@ def test_conditions_describe_the_engine():
     c = conditions(CountingEngine())
     assert c["device"] == "cpu" and c["kv_cache"] is False
     assert c["threads"] == torch.get_num_threads() and c["torch"] == torch.__version__
+
+
+def _matmuls(seconds: float) -> None:
+    x, w = torch.randn(128, 256), torch.randn(256, 256)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        x @ w
+
+
+def test_cpu_wait_sees_processes_competing_for_the_cores():
+    """More busy processes than cores beside a measurement: its threads must wait for a CPU, and cpu_wait says
+    so (over the regression gate's threshold); the figure is a share of the runnable time."""
+    import subprocess
+    import sys
+
+    from validation.gates import CPU_WAIT_BUSY_PCT
+    from validation.measure import cpu_wait
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((os.cpu_count() or 1) + 1)]
+    try:
+        time.sleep(0.3)
+        with cpu_wait() as busy:
+            _matmuls(1.5)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert CPU_WAIT_BUSY_PCT <= busy["cpu_wait_pct"] <= 100.0, busy
 
 
 # -- generation latency and peak memory, on the shipped tiny Llama -----------------------------------

@@ -173,8 +173,24 @@ def test_throughput_measured_on_a_busy_cpu_is_not_judged(now_load, then_load, ju
         assert "max_accuracy_regression_pct" in by_name(verdicts)
 
 
+@pytest.mark.parametrize("now_wait, then_wait, judged", [(9.9, 0.0, True), (10.0, 0.0, False), (0.0, 45.0, False),
+                                                         (None, 2.0, True)])
+def test_throughput_whose_threads_waited_for_a_cpu_is_not_judged(now_wait, then_wait, judged):
+    """The run-queue wait measured while the timings ran (validation.measure.cpu_wait) says the machine was busy
+    even when the one-minute load average has not caught up yet."""
+    now = {**COND, "load_avg_1m": 0.5, "cpu_wait_pct": now_wait}
+    record, verdicts = regression(metrics(tps=(10.0, 20.0)), now,
+                                  previous(cond={**COND, "load_avg_1m": 0.5, "cpu_wait_pct": then_wait}), {})
+    assert ("max_throughput_drop_pct" in by_name(verdicts)) is judged
+    if not judged:
+        reason = record["not_judged"]["max_throughput_drop_pct"]
+        assert "busy" in reason and "waited for a CPU" in reason
+        assert ("now" in reason) is (now_wait == 10.0) and ("then" in reason) is (then_wait == 45.0)
+        assert "max_accuracy_regression_pct" in by_name(verdicts)
+
+
 def test_a_busy_host_does_not_matter_to_a_gpu_measurement():
-    gpu = {**COND, "device": "cuda", "gpu": "NVIDIA H200", "load_avg_1m": 40.0}
+    gpu = {**COND, "device": "cuda", "gpu": "NVIDIA H200", "load_avg_1m": 40.0, "cpu_wait_pct": 80.0}
     _, verdicts = regression(metrics(tps=(10.0, 20.0)), gpu, previous(cond=gpu), {})
     assert by_name(verdicts)["max_throughput_drop_pct"]["passed"] is False  # judged: a 90 % drop
 
