@@ -94,6 +94,9 @@ def worker(queues: str | None, concurrency: int, name: str | None) -> None:
     from workers.capabilities import detect
     from workers.registry import register
 
+    if concurrency < 1:
+        raise SpecError(f"--concurrency must be at least 1, not {concurrency}", field="concurrency",
+                        fix="give the number of builds this worker runs at once, e.g. --concurrency 1")
     caps = detect()
     chosen = caps["queues"]
     if queues:
@@ -106,6 +109,7 @@ def worker(queues: str | None, concurrency: int, name: str | None) -> None:
     _upgrade_embedded_db()
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     os.environ["KILN_WORKER_NAME"] = name
+    os.environ["KILN_WORKER_CONCURRENCY"] = str(concurrency)  # each pool process's share of the cores (workers/tasks.py)
     with db.session_factory(get_settings().db_url)() as s:
         register(s, name, caps)
     stop = threading.Event()

@@ -13,6 +13,25 @@ from workers.celery_app import BUILD_TASK_OPTIONS, app, retry_delay_s
 from workers.runner import run_build as run_build_row
 
 
+def threads_per_build(cpus: int, concurrency: int) -> int:
+    """torch's intra-op threads for each of a worker's ``concurrency`` pool processes: the cores shared out, at
+    least one. torch's default (one thread per core in every process) makes concurrent builds spin against
+    each other: two builds of the shipped model at once took as long as one after the other, 94 s, with the
+    default, and 44 s — one build's time — with one thread each, on two cores (docs/performance.md)."""
+    return max(1, cpus // max(1, concurrency))
+
+
+@worker_process_init.connect
+def _share_cores(**_) -> None:
+    """A pool process of a worker started with ``--concurrency N`` (N > 1) takes its share of the cores, unless
+    the operator set ``OMP_NUM_THREADS`` themselves."""
+    concurrency = int(os.environ.get("KILN_WORKER_CONCURRENCY", "1") or 1)
+    if concurrency > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(threads_per_build(os.cpu_count() or 1, concurrency))
+
+
 @worker_process_init.connect
 def _preload(**_) -> None:
     """Each pool process imports the quantizer when it starts (after the fork: nothing heavy is imported into the
