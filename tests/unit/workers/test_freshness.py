@@ -1,0 +1,233 @@
+"""Freshness (workers/freshness.py) on the fast path: registering a tracked model checks every matrix entry before
+anything is written, tracks the branch's head and builds the matrix for it; a refresh after the branch moved
+makes the old head's engines stale, untags them and builds the new head; the webhook's secret and payload rules.
+
+Real SQLite index with the real migrations, publish and submit; the Hub is a real local Hub cache the test makes
+(tests/hubcache.py; the Hub's network is the one thing that cannot exist here); the broker is the fake of
+test_build_states (a message for an uncommitted row fails the test)."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from kiln.errors import ArtifactUnknown, SpecError
+from kiln.models import Artifact, Build, Tag, TrackedModel
+from tests import hubcache
+from tests.unit.workers.test_build_states import CPU, Broker, env, prepared, publish_for, spec_of  # noqa: F401
+from workers.freshness import (mark_stale, models_for_webhook, refresh_model, register_model,
+                               webhook_secret_ok)
+
+NAME, REPO = "acme/tiny", "acme/tiny"
+C1, C2 = hubcache.commit_sha(1), hubcache.commit_sha(2)
+ENTRY = {"precision": "fp8", "profile": "latency", "target": "cpu", "backend": "checkpoint",
+         "calibration": {"samples": 8, "seq_len": 64}}
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """acme/tiny at two commits, ``main`` at the first; the library reads the cache offline."""
+    import huggingface_hub.constants as hf_constants
+
+    hub = tmp_path / "hub"
+    for n, commit in ((1, C1), (2, C2)):
+        hubcache.add_snapshot(hub, REPO, commit, config_note=f"revision {n}")
+    hubcache.set_ref(hub, REPO, "main", C1)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hub))  # read once at import by huggingface_hub
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    return hub
+
+
+def body(*entries, **extra):
+    return {"checkpoint": f"hf://{REPO}@main", "matrix": list(entries) or [ENTRY], **extra}
+
+
+def builds(sessions):
+    with sessions() as s:
+        return s.scalars(select(Build).order_by(Build.created_at)).all()
+
+
+def nothing_written(sessions, broker):
+    with sessions() as s:
+        assert s.scalars(select(TrackedModel)).all() == [] and s.scalars(select(Build)).all() == []
+    assert broker.sent == []
+
+
+# -- registration ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, payload, field", [
+    ("Acme/Tiny", body(), "model"),
+    ("acme/tiny", ["not", "an", "object"], "body"),
+    ("acme/tiny", body(checkpoint="/models/tiny"), "checkpoint"),
+    ("acme/tiny", {"checkpoint": f"hf://{REPO}@main", "matrix": []}, "matrix"),
+    ("acme/tiny", {"checkpoint": f"hf://{REPO}@main", "matrix": [ENTRY] * 65}, "matrix"),
+    ("acme/tiny", {"checkpoint": f"hf://{REPO}@main", "matrix": ENTRY}, "matrix"),
+    ("acme/tiny", body(ENTRY, {**ENTRY, "checkpoint": "/elsewhere"}), "matrix.1"),
+    ("acme/tiny", body(ENTRY, "fp8"), "matrix.1"),
+    ("acme/tiny", body(ENTRY, {**ENTRY, "precision": "int3"}), "matrix.1.precision"),
+    ("acme/tiny", body(ENTRY, gates={"speed": 3}), "matrix.0.gates.speed"),
+])
+def test_registration_checks_every_entry_before_anything_is_written(env, hub, name, payload, field):
+    settings, sessions, broker = env
+    with pytest.raises(SpecError) as err:
+        register_model(settings, sessions, name, payload, broker)
+    assert err.value.field == field and err.value.fix
+    nothing_written(sessions, broker)
+
+
+def test_registration_tracks_the_head_and_builds_the_matrix_for_that_commit(env, hub):
+    settings, sessions, broker = env
+    second = {**ENTRY, "profile": "balanced", "gates": {"max_mean_kl": 0.04}}
+    out = register_model(settings, sessions, NAME, body(ENTRY, second, gates={"min_top1_agreement": 0.9}), broker)
+    assert (out.moved, out.old_head) == (False, None)
+    assert out.model.head_sha == C1 and (out.model.hf_repo, out.model.branch) == (REPO, "main")
+    assert [b.outcome for b in out.builds] == ["created", "created"]
+    made = builds(sessions)
+    assert len(made) == 2 and len(broker.sent) == 2
+    # the commit, never the branch, is the build's input; the model's gates apply under each entry's own
+    assert {b.spec["checkpoint"] for b in made} == {f"hf://{REPO}@{C1}"}
+    assert {b.spec["model_name"] for b in made} == {NAME}
+    gates = sorted((b.spec["gates"] for b in made), key=len)
+    assert gates == [{"min_top1_agreement": 0.9}, {"min_top1_agreement": 0.9, "max_mean_kl": 0.04}]
+    with sessions() as s:
+        stored = s.get(TrackedModel, NAME)
+        assert stored.matrix == [ENTRY, second] and stored.gates == {"min_top1_agreement": 0.9}
+        assert stored.checkpoint == f"hf://{REPO}@main"
+
+
+def test_registering_again_at_the_same_head_joins_the_builds_it_started(env, hub):
+    settings, sessions, broker = env
+    register_model(settings, sessions, NAME, body(), broker)
+    again = register_model(settings, sessions, NAME, body(), broker)
+    assert (again.moved, again.old_head) == (False, C1)
+    assert [b.outcome for b in again.builds] == ["existing-build"] and len(builds(sessions)) == 1
+    assert len(broker.sent) == 1
+
+
+def _engine_of(settings, sessions, tmp_path, revision: str) -> Artifact:
+    spec = spec_of(settings, {**CPU, "model_name": NAME, "checkpoint": f"hf://{REPO}@{revision}"})
+    return publish_for(settings, sessions, spec, prepared(settings, sessions, spec).build_key, tmp_path,
+                       revision=revision)
+
+
+def _status(sessions, digest):
+    with sessions() as s:
+        return s.get(Artifact, digest).status
+
+
+def _tags(sessions, repository=NAME):
+    with sessions() as s:
+        return {t.name: t.digest for t in s.scalars(select(Tag).where(Tag.repository == repository))}
+
+
+def test_a_refresh_after_the_branch_moved_stales_and_untags_the_old_head_and_builds_the_new(env, hub, tmp_path):
+    settings, sessions, broker = env
+    register_model(settings, sessions, NAME, body(), broker)
+    old = _engine_of(settings, sessions, tmp_path, C1)
+    assert _status(sessions, old.digest) == "fresh" and old.digest in _tags(sessions).values()
+    hubcache.set_ref(hub, REPO, "main", C2)
+    out = refresh_model(settings, sessions, NAME, broker)
+    assert (out.moved, out.old_head, out.model.head_sha) == (True, C1, C2)
+    assert _status(sessions, old.digest) == "stale" and old.digest not in _tags(sessions).values()
+    assert [b.outcome for b in out.builds] == ["created"]
+    assert builds(sessions)[-1].spec["checkpoint"] == f"hf://{REPO}@{C2}"
+    with sessions() as s:
+        assert s.get(TrackedModel, NAME).head_sha == C2
+
+
+def test_a_refresh_at_the_same_head_stales_nothing_and_resubmits_the_matrix(env, hub, tmp_path):
+    settings, sessions, broker = env
+    register_model(settings, sessions, NAME, body(), broker)
+    engine = _engine_of(settings, sessions, tmp_path, C1)
+    out = refresh_model(settings, sessions, NAME, broker)
+    assert (out.moved, out.old_head) == (False, C1)
+    assert _status(sessions, engine.digest) == "fresh" and engine.digest in _tags(sessions).values()
+    assert [b.outcome for b in out.builds] == ["existing-build"]  # a lost build would be started again
+
+
+def test_a_registration_that_moves_the_head_stales_the_old_engines(env, hub, tmp_path):
+    settings, sessions, broker = env
+    register_model(settings, sessions, NAME, body(), broker)
+    old = _engine_of(settings, sessions, tmp_path, C1)
+    hubcache.set_ref(hub, REPO, "main", C2)
+    out = register_model(settings, sessions, NAME, body(), broker)
+    assert (out.moved, out.old_head, out.model.head_sha) == (True, C1, C2)
+    assert _status(sessions, old.digest) == "stale" and _tags(sessions) == {}
+
+
+def test_refreshing_an_untracked_model_names_the_model(env, hub):
+    settings, sessions, broker = env
+    with pytest.raises(ArtifactUnknown) as err:
+        refresh_model(settings, sessions, "acme/never", broker)
+    assert err.value.field == "model" and "acme/never" in err.value.message and "PUT /v1/models" in err.value.fix
+    assert broker.sent == []
+
+
+def test_mark_stale_spares_the_head_and_stales_engines_without_a_revision(env, hub, tmp_path):
+    settings, sessions, _ = env
+    head = _engine_of(settings, sessions, tmp_path / "a", C2)
+    unknown = _engine_of(settings, sessions, tmp_path / "b", C1)
+    with sessions() as s:
+        s.get(Artifact, unknown.digest).checkpoint_revision = None  # an engine whose revision was never recorded
+        s.commit()
+    model = TrackedModel(name=NAME, checkpoint=f"hf://{REPO}@main", hf_repo=REPO, branch="main", head_sha=C2,
+                         matrix=[], gates={})
+    with sessions() as s:
+        assert mark_stale(s, model) == 1
+        s.commit()
+    assert _status(sessions, head.digest) == "fresh" and _status(sessions, unknown.digest) == "stale"
+
+
+# -- the webhook ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("expected, given, ok", [("s3cret", "s3cret", True), ("s3cret", "s3cre", False),
+                                                 ("s3cret", "S3CRET", False), ("s3cret", None, False),
+                                                 (None, "s3cret", False), ("", "", False), (None, None, False)])
+def test_the_webhook_secret_must_be_configured_and_match(expected, given, ok):
+    assert webhook_secret_ok(expected, given) is ok
+
+
+def _track(sessions, name, repo=REPO, branch="main"):
+    with sessions() as s:
+        s.add(TrackedModel(name=name, checkpoint=f"hf://{repo}@{branch}", hf_repo=repo, branch=branch, head_sha=C1,
+                           matrix=[], gates={}))
+        s.commit()
+
+
+def payload(scope="repo.content", repo=REPO, refs=("refs/heads/main",)):
+    p = {"event": {"action": "update", "scope": scope}, "repo": {"type": "model", "name": repo, "headSha": C2}}
+    if refs is not None:
+        p["updatedRefs"] = [{"ref": r, "oldSha": C1, "newSha": C2} for r in refs]
+    return p
+
+
+def test_the_webhook_concerns_the_models_tracking_an_updated_branch_of_the_repo(env):
+    _, sessions, _ = env
+    _track(sessions, "acme/main")
+    _track(sessions, "acme/dev", branch="dev")
+    _track(sessions, "other/main", repo="other/model")
+    assert models_for_webhook(sessions, payload()) == ["acme/main"]
+    assert models_for_webhook(sessions, payload(refs=("refs/heads/dev",))) == ["acme/dev"]
+    assert sorted(models_for_webhook(sessions, payload(refs=("refs/heads/main", "refs/heads/dev")))) == [
+        "acme/dev", "acme/main"]
+    assert models_for_webhook(sessions, payload(refs=("refs/heads/feature",))) == []
+    # no list of refs (or an empty one): every model of the repo is re-resolved (the head is never trusted)
+    assert sorted(models_for_webhook(sessions, payload(refs=None))) == ["acme/dev", "acme/main"]
+    assert sorted(models_for_webhook(sessions, payload(refs=()))) == ["acme/dev", "acme/main"]
+    assert models_for_webhook(sessions, payload(repo="nobody/else")) == []
+    assert models_for_webhook(sessions, payload(scope="repo.config")) == []  # a settings change moves no head
+    # a ref without a name is ignored, the others still count
+    p = payload()
+    p["updatedRefs"].append({"oldSha": C1})
+    assert models_for_webhook(sessions, p) == ["acme/main"]
+
+
+@pytest.mark.parametrize("bad, field", [(["a list"], "body"), ({"repo": {"name": REPO}}, "event"),
+                                        ({"event": {"scope": "repo.content"}}, "event"),
+                                        ({"event": {"scope": "repo.content"}, "repo": {"name": 7}}, "event"),
+                                        ({"event": "repo.content", "repo": {"name": REPO}}, "event")])
+def test_a_payload_that_is_not_the_hubs_is_refused_naming_the_field(env, bad, field):
+    _, sessions, _ = env
+    with pytest.raises(SpecError) as err:
+        models_for_webhook(sessions, bad)
+    assert err.value.field == field and err.value.fix
