@@ -27,9 +27,8 @@ def _isolated_home(tmp_path_factory, monkeypatch):
     yield home
 
 
-#: Modules whose tests are spread over the pytest-xdist workers one by one (no module-scoped fixture ties them
-#: together, or the tests that share one carry an ``xdist_group`` mark of their own). Every other module runs on
-#: one worker, its module fixtures built once.
+#: Modules whose tests are spread over the pytest-xdist workers one by one; tests of one class in them stay
+#: together (they share its fixtures). Every other module runs on one worker, its module fixtures built once.
 SPREAD = {"tests/integration/test_families.py", "tests/integration/test_cli_build.py"}
 #: Seconds a module's tests took on two xdist workers (2026-12-02): the longest start first, so that no long
 #: module is left to run alone at the end (only the order depends on these; a module not listed counts 0).
@@ -42,12 +41,27 @@ WEIGHTS = {"tests/integration/test_cli_build.py": 650, "tests/integration/test_f
            "tests/integration/test_ci_remote.py": 70}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks into the node ids (--dist loadgroup)
+def work_unit(nodeid: str) -> str:
+    """What runs on one xdist worker: a module, or in a :data:`SPREAD` module a class or a single test."""
+    parts = nodeid.split("::")
+    if parts[0] not in SPREAD:
+        return parts[0]
+    return "::".join(parts[:2]) if len(parts) > 2 else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """The suite's two xdist workers (pyproject.toml) take whole :func:`work_unit` s, in collection order.
+    (xdist's own ``--dist loadgroup`` does not group under pytest 9.2: it renames ``item._nodeid``, which pytest
+    9.2 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Group tests by module for ``--dist loadgroup`` (pyproject.toml runs the suite on two xdist workers), the
-    heaviest modules first (xdist keeps this order: ``--no-loadscope-reorder``)."""
-    for item in items:
-        module = Path(item.path).relative_to(REPO).as_posix()
-        if module not in SPREAD and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module))
+    """The heaviest modules first (xdist keeps the collection order: ``--no-loadscope-reorder``)."""
     items.sort(key=lambda item: -WEIGHTS.get(Path(item.path).relative_to(REPO).as_posix(), 0))  # stable

@@ -14,8 +14,6 @@ import pytest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
-#: the tests that share the module's FP8 build run on one xdist worker; the rest spread (tests/conftest.py)
-FP8_GROUP = pytest.mark.xdist_group("tests/integration/test_cli_build.py::fp8")
 
 
 def kiln(*args: str, home: Path, check: bool = False) -> subprocess.CompletedProcess:
@@ -47,41 +45,102 @@ def fp8(home) -> dict:
     return last_json(proc)
 
 
-@FP8_GROUP
-def test_fp8_build_runs_every_stage_and_validates(fp8):
-    assert fp8["status"] == "succeeded" and fp8["cache_hit"] is False
-    assert fp8["digest"].startswith("sha256:") and len(fp8["digest"]) == 71
-    assert stages(fp8) == {"resolve": "ran", "quantize": "ran", "compile": "ran", "validate": "ran", "publish": "ran"}
-    m = fp8["validation"]["metrics"]
-    assert fp8["validation"]["passed"] is True
-    # FP8 W8A8 on this model costs well under 3 % perplexity (DESIGN.md measured +0.44 %)
-    assert 0 <= m["ppl_increase_pct"] < 3
-    assert m["reference_perplexity"] < 100  # the shipped model is trained: far below uniform (2048)
-    assert m["top1_agreement"] > 0.85
-    assert len(m["throughput"]) >= 3 and all(p["tokens_per_s"] > 0 for p in m["throughput"])
+class TestTheQuickStartBuild:
+    """The README's first command's build (FP8, ``latency``) and what follows from it in the same home; these
+    tests share it, so they run on one xdist worker (tests/conftest.py ``work_unit``)."""
 
+    def test_fp8_build_runs_every_stage_and_validates(self, fp8):
+        assert fp8["status"] == "succeeded" and fp8["cache_hit"] is False
+        assert fp8["digest"].startswith("sha256:") and len(fp8["digest"]) == 71
+        assert stages(fp8) == {"resolve": "ran", "quantize": "ran", "compile": "ran", "validate": "ran", "publish": "ran"}
+        m = fp8["validation"]["metrics"]
+        assert fp8["validation"]["passed"] is True
+        # FP8 W8A8 on this model costs well under 3 % perplexity (DESIGN.md measured +0.44 %)
+        assert 0 <= m["ppl_increase_pct"] < 3
+        assert m["reference_perplexity"] < 100  # the shipped model is trained: far below uniform (2048)
+        assert m["top1_agreement"] > 0.85
+        assert len(m["throughput"]) >= 3 and all(p["tokens_per_s"] > 0 for p in m["throughput"])
 
-@FP8_GROUP
-def test_identical_rebuild_is_a_cache_hit_with_no_stage_run(home, fp8):
-    proc = kiln("build", "examples/tiny-llama", "--precision", "fp8", "--profile", "latency", "--json",
-                home=home, check=True)
-    again = last_json(proc)
-    assert again["cache_hit"] is True
-    assert again["digest"] == fp8["digest"] and again["build_key"] == fp8["build_key"]
-    assert set(stages(again).values()) == {"cached"}
-    assert "cached" in proc.stderr
+    def test_identical_rebuild_is_a_cache_hit_with_no_stage_run(self, home, fp8):
+        proc = kiln("build", "examples/tiny-llama", "--precision", "fp8", "--profile", "latency", "--json",
+                    home=home, check=True)
+        again = last_json(proc)
+        assert again["cache_hit"] is True
+        assert again["digest"] == fp8["digest"] and again["build_key"] == fp8["build_key"]
+        assert set(stages(again).values()) == {"cached"}
+        assert "cached" in proc.stderr
 
+    def test_profile_only_change_reuses_the_quantized_checkpoint(self, home, fp8):
+        out = last_json(kiln("build", "examples/tiny-llama", "--precision", "fp8", "--profile", "balanced", "--json",
+                             home=home, check=True))
+        assert stages(out)["quantize"] == "cached"
+        assert stages(out)["compile"] == "ran" and stages(out)["validate"] == "ran"
+        assert out["digest"] != fp8["digest"] and out["build_key"] != fp8["build_key"]
+        assert out["artifact"]["tag"] == "fp8-cpu-balanced"
+        batches = {p["batch_size"] for p in out["validation"]["metrics"]["throughput"]}
+        assert batches == {1, 2, 4, 8}
 
-@FP8_GROUP
-def test_profile_only_change_reuses_the_quantized_checkpoint(home, fp8):
-    out = last_json(kiln("build", "examples/tiny-llama", "--precision", "fp8", "--profile", "balanced", "--json",
-                         home=home, check=True))
-    assert stages(out)["quantize"] == "cached"
-    assert stages(out)["compile"] == "ran" and stages(out)["validate"] == "ran"
-    assert out["digest"] != fp8["digest"] and out["build_key"] != fp8["build_key"]
-    assert out["artifact"]["tag"] == "fp8-cpu-balanced"
-    batches = {p["batch_size"] for p in out["validation"]["metrics"]["throughput"]}
-    assert batches == {1, 2, 4, 8}
+    def test_checkpoint_backend_and_impossible_gate(self, home, fp8):
+        ok = last_json(kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--json", home=home, check=True))
+        assert ok["status"] == "succeeded" and stages(ok)["quantize"] == "cached"
+        proc = kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--gate", "min_top1_agreement=1.01",
+                    "--json", home=home)
+        assert proc.returncode == 1, proc.stderr
+        out = last_json(proc)
+        assert out["status"] == "failed" and out["artifact"]["status"] == "rejected"
+        failed = [g["name"] for g in out["validation"]["gates"] if not g["passed"]]
+        # the impossible gate fails; the only other gate that may is the throughput regression against the first
+        # checkpoint engine (its speed, measured on two shared cores, moves with whatever else runs)
+        assert "min_top1_agreement" in failed and set(failed) <= {"min_top1_agreement", "max_throughput_drop_pct"}, failed
+        assert "failed validation" in proc.stderr
+
+    def test_the_quick_start_engine_is_signed_and_verifies_offline(self, home, fp8, tmp_path):
+        """The embedded defaults sign with a key generated under KILN_HOME; the pulled engine verifies with the real
+        model_signing CLI and the public key alone."""
+        key = home / "keys" / "signing-key.pem"
+        assert key.is_file() and (key.stat().st_mode & 0o777) == 0o600
+        pub = tmp_path / "kiln.pub"
+        pub.write_text(kiln("keys", "public", home=home, check=True).stdout)
+        dest = tmp_path / "engine"
+        pulled = kiln("pull", f"tiny-llama@{fp8['digest']}", str(dest), "--verify-key", str(pub), home=home, check=True)
+        assert "verified, signed by sha256:" in pulled.stdout and (dest / "model.sig").is_file()
+        ok = subprocess.run([sys.executable, "-m", "model_signing", "verify", "key", "--signature", str(dest / "model.sig"),
+                             "--public_key", str(pub), str(dest)], capture_output=True, text=True, timeout=300)
+        assert ok.returncode == 0 and "Verification succeeded" in ok.stdout, ok.stderr
+        verified = kiln("verify", fp8["digest"], home=home)
+        assert verified.returncode == 0 and "verified tiny-llama@" in verified.stdout, verified.stderr
+
+    def test_pull_verifies_digests_and_refuses_a_corrupted_blob(self, home, fp8, tmp_path):
+        dest = tmp_path / "engine"
+        kiln("pull", f"tiny-llama@{fp8['digest']}", str(dest), home=home, check=True)
+        meta = json.loads((dest / "engine.json").read_text())
+        assert meta["precision"] == "fp8" and (dest / "model.pt2").stat().st_size > 0
+
+        import torch
+
+        runner = torch._inductor.aoti_load_package(str(dest / "model.pt2"))
+        logits = runner(torch.tensor([[1, 2, 3, 4, 5]]))
+        assert tuple(logits.shape) == (1, 5, 2048) and torch.isfinite(logits).all()
+
+        shown = json.loads(kiln("artifacts", "show", fp8["digest"], home=home, check=True).stdout)
+        layer_blobs = [p for p in (home / "store").rglob("*") if p.is_file() and p.stat().st_size > 1_000_000]
+        assert layer_blobs, shown
+        originals = {blob: (blob.read_bytes(), blob.stat().st_mode) for blob in layer_blobs}
+        try:
+            for blob, (data, _) in originals.items():  # flip one byte in the middle of each large blob (the layer)
+                blob.chmod(0o644)
+                flipped = bytearray(data)
+                flipped[len(flipped) // 2] ^= 0xFF
+                blob.write_bytes(bytes(flipped))
+            bad = tmp_path / "bad"
+            proc = kiln("pull", fp8["digest"], str(bad), home=home)
+            assert proc.returncode == 3 and "corrupted" in proc.stderr, proc.stderr
+            assert not bad.exists()
+        finally:  # the module's store is shared with the other tests: put the bytes back, whatever happened
+            for blob, (data, mode) in originals.items():
+                blob.chmod(0o644)
+                blob.write_bytes(data)
+                blob.chmod(mode)
 
 
 def test_nvfp4_build_validates_from_the_exported_tensors(tmp_path):
@@ -91,22 +150,6 @@ def test_nvfp4_build_validates_from_the_exported_tensors(tmp_path):
     m = out["validation"]["metrics"]
     # NVFP4 W4A4 costs more than FP8 but stays inside its gate (DESIGN.md measured +6.2 %)
     assert 1 < m["ppl_increase_pct"] < 15
-
-
-@FP8_GROUP
-def test_checkpoint_backend_and_impossible_gate(home, fp8):
-    ok = last_json(kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--json", home=home, check=True))
-    assert ok["status"] == "succeeded" and stages(ok)["quantize"] == "cached"
-    proc = kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--gate", "min_top1_agreement=1.01",
-                "--json", home=home)
-    assert proc.returncode == 1, proc.stderr
-    out = last_json(proc)
-    assert out["status"] == "failed" and out["artifact"]["status"] == "rejected"
-    failed = [g["name"] for g in out["validation"]["gates"] if not g["passed"]]
-    # the impossible gate fails; the only other gate that may is the throughput regression against the first
-    # checkpoint engine (its speed, measured on two shared cores, moves with whatever else runs)
-    assert "min_top1_agreement" in failed and set(failed) <= {"min_top1_agreement", "max_throughput_drop_pct"}, failed
-    assert "failed validation" in proc.stderr
 
 
 @pytest.mark.parametrize("args, field", [
@@ -134,58 +177,6 @@ def test_checkpoint_outside_roots_and_missing_dir_exit_2(tmp_path):
         proc = kiln("build", ref, home=home)
         assert proc.returncode == 2 and "checkpoint:" in proc.stderr, proc.stderr
     assert not home.exists()
-
-
-@FP8_GROUP
-def test_the_quick_start_engine_is_signed_and_verifies_offline(home, fp8, tmp_path):
-    """The embedded defaults sign with a key generated under KILN_HOME; the pulled engine verifies with the real
-    model_signing CLI and the public key alone."""
-    key = home / "keys" / "signing-key.pem"
-    assert key.is_file() and (key.stat().st_mode & 0o777) == 0o600
-    pub = tmp_path / "kiln.pub"
-    pub.write_text(kiln("keys", "public", home=home, check=True).stdout)
-    dest = tmp_path / "engine"
-    pulled = kiln("pull", f"tiny-llama@{fp8['digest']}", str(dest), "--verify-key", str(pub), home=home, check=True)
-    assert "verified, signed by sha256:" in pulled.stdout and (dest / "model.sig").is_file()
-    ok = subprocess.run([sys.executable, "-m", "model_signing", "verify", "key", "--signature", str(dest / "model.sig"),
-                         "--public_key", str(pub), str(dest)], capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0 and "Verification succeeded" in ok.stdout, ok.stderr
-    verified = kiln("verify", fp8["digest"], home=home)
-    assert verified.returncode == 0 and "verified tiny-llama@" in verified.stdout, verified.stderr
-
-
-@FP8_GROUP
-def test_pull_verifies_digests_and_refuses_a_corrupted_blob(home, fp8, tmp_path):
-    dest = tmp_path / "engine"
-    kiln("pull", f"tiny-llama@{fp8['digest']}", str(dest), home=home, check=True)
-    meta = json.loads((dest / "engine.json").read_text())
-    assert meta["precision"] == "fp8" and (dest / "model.pt2").stat().st_size > 0
-
-    import torch
-
-    runner = torch._inductor.aoti_load_package(str(dest / "model.pt2"))
-    logits = runner(torch.tensor([[1, 2, 3, 4, 5]]))
-    assert tuple(logits.shape) == (1, 5, 2048) and torch.isfinite(logits).all()
-
-    shown = json.loads(kiln("artifacts", "show", fp8["digest"], home=home, check=True).stdout)
-    layer_blobs = [p for p in (home / "store").rglob("*") if p.is_file() and p.stat().st_size > 1_000_000]
-    assert layer_blobs, shown
-    originals = {blob: (blob.read_bytes(), blob.stat().st_mode) for blob in layer_blobs}
-    try:
-        for blob, (data, _) in originals.items():  # flip one byte in the middle of each large blob (the layer)
-            blob.chmod(0o644)
-            flipped = bytearray(data)
-            flipped[len(flipped) // 2] ^= 0xFF
-            blob.write_bytes(bytes(flipped))
-        bad = tmp_path / "bad"
-        proc = kiln("pull", fp8["digest"], str(bad), home=home)
-        assert proc.returncode == 3 and "corrupted" in proc.stderr, proc.stderr
-        assert not bad.exists()
-    finally:  # the module's store is shared with the other tests: put the bytes back, whatever happened
-        for blob, (data, mode) in originals.items():
-            blob.chmod(0o644)
-            blob.write_bytes(data)
-            blob.chmod(mode)
 
 
 def test_dry_run_prints_the_plan_and_does_no_work(tmp_path):
