@@ -83,6 +83,19 @@ def is_stale_now(session: Session, repository: str, revision: str | None, *, loc
     return model is not None and model.head_sha is not None and revision != model.head_sha
 
 
+def rejection_reason(validation: dict) -> str:
+    """Why an engine is rejected, in a line: the gates it failed, each with its value and threshold."""
+    failed = [g for g in validation.get("gates") or [] if isinstance(g, dict) and not g.get("passed")]
+    if not failed:
+        return "validation did not pass"
+    return "failed " + "; ".join(f"{g.get('name')}: {_num(g.get('value'))} against the threshold {_num(g.get('threshold'))}"
+                                 for g in failed)
+
+
+def _num(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path, *, spec: BuildSpec,
             build_key: str, provenance: dict, validation: dict, request_key: str | None = None,
             layer_survey: Survey | None = None, signer: Signer | None = None) -> Artifact:
@@ -116,6 +129,8 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
             # stale: the tracked branch moved while this engine was building
             row.status = initial_artifact_status(
                 passed=passed, stale=is_stale_now(session, spec.model_name, provenance["checkpoint"]["revision"]))
+            if row.status == "rejected":
+                row.status_reason = rejection_reason(validation)
             add_artifact(session, row, reason=f"published {build_key}")  # a fresh engine takes its tag
             session.flush()
             # The head may have moved after the read above and before this transaction began to write (its

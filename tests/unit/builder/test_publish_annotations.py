@@ -104,3 +104,17 @@ def test_source_urls_runtimes_and_json_annotations_are_exact():
     assert notes["org.opencontainers.image.title"] == "acme/tiny"
     assert (notes["dev.kiln.validation.passed"], annotations_for(cpu, "sha256:" + "d" * 64, prov, False)[
         "dev.kiln.validation.passed"]) == ("true", "false")
+
+
+def test_a_rejected_engine_records_the_gates_it_failed():
+    from builder.publish import rejection_reason
+
+    gates = [{"name": "perplexity", "value": 31.25678, "threshold": 20.0, "passed": False},
+             {"name": "top1_agreement", "value": 0.97, "threshold": 0.9, "passed": True},
+             {"name": "throughput_drop", "value": 0.35, "threshold": 0.2, "passed": False}]
+    assert rejection_reason({"passed": False, "gates": gates}) == (
+        "failed perplexity: 31.26 against the threshold 20; throughput_drop: 0.35 against the threshold 0.2")
+    assert rejection_reason({"passed": False, "gates": [{"name": "n", "value": 3, "threshold": 2, "passed": False}]}) \
+        == "failed n: 3 against the threshold 2"
+    assert rejection_reason({"passed": False}) == rejection_reason({"passed": False, "gates": gates[1:2]}) \
+        == "validation did not pass"

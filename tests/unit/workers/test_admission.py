@@ -303,3 +303,112 @@ def test_keys_artifacts_and_resolve_say_who_signed(tmp_path):
     r = client.get("/v1/resolve", params={"model": "acme/tiny", "precision": "fp8", "profile": "latency",
                                           "target": "cpu", "backend": "checkpoint"})
     assert r.status_code == 200 and r.json()["signature"] == sig
+
+
+def test_every_verdict_from_the_index_facts(tmp_path, monkeypatch):
+    """engine_facts reads each verdict's fact from the real index: a revoke through the route (its reason comes
+    back), a rejected engine (its reason), an unknown digest, the target against the pod's GPU, a head the
+    engine was not built from, and with tags allowed a tag resolved in its own repository only."""
+    from api.app import create_app
+    from builder.publish import publish
+    from kiln import db
+    from kiln.digests import sha256_bytes
+    from kiln.models import Artifact, TrackedModel
+    from kiln.settings import Settings
+    from kiln.spec import parse_spec
+
+    monkeypatch.setenv("KILN_ADMISSION_ALLOW_TAGS", "true")
+    settings = Settings()
+    assert settings.admission_allow_tags is True
+    db.upgrade(settings.db_url)
+    app = create_app(settings, enqueue=lambda *a, **k: None)
+    client = TestClient(app, base_url=f"http://{HOST}")
+
+    def engine(seed: str, *, passed: bool = True, target: str = "sm90", model: str = "acme/tiny",
+               profile: str = "latency") -> Artifact:
+        spec = parse_spec({"checkpoint": f"hf://{model}@{'a' * 40}", "model_name": model, "precision": "fp8",
+                           "profile": profile, "backend": "checkpoint", "target": target}, [])
+        root = tmp_path / seed
+        root.mkdir()
+        (root / "config.json").write_text(json.dumps({"seed": seed}))
+        prov = {"created": "2026-01-01T00:00:00Z", "toolchain": {},
+                "checkpoint": {"ref": spec.checkpoint, "digest": sha256_bytes(b"c"), "revision": "a" * 40}}
+        return publish(app.state.store, app.state.sessions, root, spec=spec, build_key=sha256_bytes(seed.encode()),
+                       provenance=prov, validation={"passed": passed, "gates": [
+                           {"name": "perplexity", "value": 412.345, "threshold": 20.0, "passed": passed},
+                           {"name": "top1_agreement", "value": 0.99, "threshold": 0.9, "passed": True}]})
+
+    revoked, rejected, blackwell = engine("revoked"), engine("rejected", passed=False), engine("b200", target="sm100")
+    good = engine("good")  # last of its variant: the tag names it
+    other = engine("other-model", model="acme/other", profile="throughput")  # a tag acme/tiny does not have
+    assert client.post(f"/v1/artifacts/{revoked.digest}/revoke", json={"reason": "CVE-2026-7"}).status_code == 200
+    with app.state.sessions() as s:
+        reason_rejected = s.get(Artifact, rejected.digest).status_reason
+        assert s.get(Artifact, rejected.digest).status == "rejected"
+
+    def post(image, **kw):
+        r = client.post("/v1/admission/validate", json=pod_create(image=image, **kw))
+        assert r.status_code == 200, r.text
+        return r.json()["response"]
+
+    ok = post(f"{HOST}/acme/tiny@{good.digest}")
+    assert ok == {"uid": UID, "allowed": True}
+    msg = post(f"{HOST}/acme/tiny@{revoked.digest}")["status"]["message"]
+    assert "the engine is revoked: CVE-2026-7" in msg
+    msg = post(f"{HOST}/acme/tiny@{rejected.digest}")["status"]["message"]
+    assert reason_rejected == "failed perplexity: 412.3 against the threshold 20"
+    assert f"failed validation (rejected): {reason_rejected}" in msg
+    msg = post(f"{HOST}/acme/tiny@{D_UNKNOWN}")["status"]["message"]
+    assert "no engine with this digest" in msg
+    msg = post(f"{HOST}/acme/tiny@{blackwell.digest}")["status"]["message"]  # the pod selects an H100
+    assert "built for sm100 but the pod selects sm90" in msg
+    # by tag (allowed here): resolved in the reference's repository, then judged as the digest would be
+    r = post(f"{HOST}/acme/tiny:{good.tag}")
+    assert r["allowed"] is True, (good.tag, r)
+    assert "no engine" in post(f"{HOST}/acme/tiny:{other.tag}")["status"]["message"]  # acme/other's tag
+    assert post(f"{HOST}/acme/other:{other.tag}")["allowed"] is True
+    assert "no engine" in post(f"{HOST}/acme/tiny:no-such-tag")["status"]["message"]
+    # the tracked head moves: the engine built from the old head is stale (the fact is the head, read live)
+    with app.state.sessions() as s:
+        s.add(TrackedModel(name="acme/tiny", checkpoint="hf://acme/tiny@main", head_sha="c" * 40))
+        s.commit()
+    msg = post(f"{HOST}/acme/tiny@{good.digest}")["status"]["message"]
+    assert f"built from {'a' * 40}, the tracked head is {'c' * 40}" in msg
+    r = post(f"{HOST}/acme/tiny@{good.digest}", annotations={"kiln.dev/allow-stale": "rollback drill"})
+    assert r["allowed"] is True and "admitted by kiln.dev/allow-stale: rollback drill" in r["warnings"][0]
+
+
+def test_the_exact_words_of_each_denial():
+    """What an operator reads in `kubectl` output: every list joined and sorted, a stale engine of an untracked
+    model, unnamed containers and volumes, registry hosts told apart from repository paths."""
+    two_keys = "sha256:" + "c" * 64
+    facts = {**FACTS,
+             D_OTHER_KEY: EngineFacts(D_OTHER_KEY, "fresh", None, "sm90", "r1", "r1", frozenset({two_keys, UNTRUSTED})),
+             D_STALE: EngineFacts(D_STALE, "stale", None, "sm90", "r1", None, frozenset({KEY}))}  # untracked now
+
+    def decide_with(body):
+        return review(body, hosts={HOST, "registry.example", "registry:5000"}, allow_tags=False, trusted={KEY},
+                      lookup=lambda ref: facts.get(ref.digest))["response"]
+
+    msg = decide_with(pod_create(image=f"{HOST}/acme/tiny@{D_OTHER_KEY}"))["status"]["message"]
+    assert f"the engine is signed by {UNTRUSTED}, {two_keys}, not a trusted key" in msg
+    msg = decide_with(pod_create(image=f"{HOST}/acme/tiny@{D_STALE}"))["status"]["message"]
+    assert msg.endswith(f"containers[1] (engine): {HOST}/acme/tiny@{D_STALE}: the engine is stale (stale); "
+                        "set the annotation kiln.dev/allow-stale: <reason> to run it anyway")
+    affinity = pod_create(image=f"{HOST}/acme/tiny@{D_SM100}", node_selector={"kiln.dev/sm": "sm90"})
+    affinity["request"]["object"]["spec"]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-A100-SXM4-80GB"]}]}]}}}
+    msg = decide_with(affinity)["status"]["message"]
+    assert "built for sm100 but the pod selects sm80, sm90 (engines load" in msg
+    body = pod_create(image=None, volume=f"{HOST}/acme/tiny@{D_REVOKED}")
+    del body["request"]["object"]["spec"]["volumes"][0]["name"]
+    body["request"]["object"]["spec"]["containers"].append({"image": f"{HOST}/acme/tiny@{D_UNSIGNED}"})
+    msg = decide_with(body)["status"]["message"]
+    assert "volumes[0] (?)" in msg and "containers[1] (?)" in msg
+    # a first component with a dot, or a colon (a port), or localhost, is a host; otherwise a path
+    assert parse_reference("registry.example/acme/tiny:fp8")[:3] == ("registry.example", "acme/tiny", "fp8")
+    assert parse_reference("registry:5000/acme/tiny")[:3] == ("registry:5000", "acme/tiny", None)
+    assert parse_reference("acme/tiny:fp8")[:3] == (None, "acme/tiny", "fp8")
+    assert decide_with(pod_create(image=f"registry:5000/acme/tiny@{D_UNKNOWN}"))["allowed"] is False
+    assert decide_with(pod_create(image=f"registry.example/acme/tiny@{D_UNKNOWN}"))["allowed"] is False

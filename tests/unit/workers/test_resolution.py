@@ -226,3 +226,66 @@ def test_an_engine_published_while_the_head_moves_is_stale_and_untagged(tmp_path
         assert s.query(Tag).count() == 0
         r = resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="cpu", backend="aot-inductor")
         assert r.artifact is None and r.code == "stale_only"
+
+
+ASKED = ("fp8", "latency", "cpu", "aot-inductor")
+#: one field off the asked variant each: precision, profile, target, backend
+NEIGHBOURS = [("nvfp4", "latency", "cpu", "aot-inductor"), ("fp8", "throughput", "cpu", "aot-inductor"),
+              ("fp8", "latency", "sm90", "aot-inductor"), ("fp8", "latency", "cpu", "checkpoint")]
+
+
+def resolve_slot(s, slot, **kw):
+    precision, profile, target, backend = slot
+    return resolve_engine(s, model=MODEL, precision=precision, profile=profile, target=target, backend=backend, **kw)
+
+
+def test_resolve_answers_its_own_variant_only_the_newest_engine(tmp_path):
+    index = Index(tmp_path)
+    neighbours = [index.publish(revision=rev(1), slot=slot, trtllm="1.2.1") for slot in NEIGHBOURS]
+    with index.sessions() as s:
+        r = resolve_slot(s, ASKED)
+        assert (r.status, r.code) == (404, "not_built"), "an engine one field off the asked variant was served"
+        for slot, engine in zip(NEIGHBOURS, neighbours):
+            assert resolve_slot(s, slot).artifact.digest == engine.digest
+    older = index.publish(revision=rev(1), slot=ASKED, trtllm="1.2.1")
+    newer = index.publish(revision=rev(1), slot=ASKED, trtllm="1.2.1")
+    with index.sessions() as s:
+        s.get(Artifact, older.digest).created_at = utcnow()  # stamped in publish order, apart even where the
+        s.get(Artifact, newer.digest).created_at = utcnow()  # clock is coarse
+        s.commit()
+        r = resolve_slot(s, ASKED)
+        assert r.status == 200 and r.artifact.digest == newer.digest
+        # another model's engines are not this model's
+        other = resolve_engine(s, model="acme/other", precision="fp8", profile="latency", target="cpu",
+                               backend="aot-inductor")
+        assert (other.status, other.code) == (404, "not_built") and "is not tracked" in other.reason
+
+
+def add_build(s, slot, status: str, *, model: str = MODEL) -> str:
+    import uuid
+
+    from kiln.models import Build
+
+    precision, profile, target, backend = slot
+    bid = uuid.uuid4().hex
+    s.add(Build(id=bid, request_key="sha256:" + uuid.uuid4().hex * 2, queue="q", status=status,
+                spec={"model_name": model, "precision": precision, "target": target, "backend": backend,
+                      "profile": {"name": profile}, "checkpoint": f"hf://acme/tiny@{rev(3)}"}))
+    s.commit()
+    return bid
+
+
+@pytest.mark.parametrize("status", ["queued", "running"])
+def test_resolve_names_the_build_in_progress_for_its_variant(tmp_path, status):
+    index = Index(tmp_path)
+    with index.sessions() as s:
+        for slot in NEIGHBOURS:  # builds one field off, a finished build and another model's: none counts
+            add_build(s, slot, status)
+        add_build(s, ASKED, "succeeded")
+        add_build(s, ASKED, status, model="acme/other")
+        r = resolve_slot(s, ASKED)
+        assert (r.status, r.code) == (404, "not_built")
+        bid = add_build(s, ASKED, status)
+        r = resolve_slot(s, ASKED)
+        assert (r.status, r.code) == (404, "building") and f"build {bid} is {status}" in r.reason
+        assert rev(3) in r.reason
