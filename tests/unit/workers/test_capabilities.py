@@ -8,6 +8,7 @@ compute capability as a (major, minor) tuple, memory info with ``.total`` in byt
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -273,3 +274,32 @@ def test_gpu_check_without_cuda_prints_one_json_object_and_exits_0(tmp_path):
                                             "validation.runners", "workers.capabilities", "modelopt.torch.quantization"))
     assert summary["capabilities"]["queues"][:2] == ["kiln.aot-inductor.cpu", "kiln.checkpoint.cpu"]
     assert summary["versions"]["torch"] == torch.__version__
+
+
+def test_tensorrt_llm_is_usable_only_with_its_package_and_trtllm_build(tmp_path, monkeypatch):
+    """A real package directory on sys.path and a real executable on PATH (not patched lookups)."""
+    from workers.capabilities import trtllm_available
+
+    site, bindir = tmp_path / "site", tmp_path / "bin"
+    (site / "tensorrt_llm").mkdir(parents=True)
+    (site / "tensorrt_llm" / "__init__.py").write_text("")
+    bindir.mkdir()
+    (bindir / "trtllm-build").write_text("#!/bin/sh\n")
+    (bindir / "trtllm-build").chmod(0o755)
+    assert trtllm_available() is False  # neither here
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    assert trtllm_available() is False  # trtllm-build without the package
+    monkeypatch.syspath_prepend(str(site))
+    assert trtllm_available() is True
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert trtllm_available() is False  # the package without trtllm-build
+
+
+def test_versions_as_queue_segments_and_runtime_matching():
+    from workers.capabilities import _clean, _matches_runtime
+
+    assert _clean("1.2.1+cu12") == "1.2.1.cu12" and _clean("+10.13.3~") == "10.13.3"
+    parsed = {"tensorrt_llm": "1.2.1", "tensorrt": "10.13.3"}
+    assert _matches_runtime(parsed, {}) and _matches_runtime(parsed, {"tensorrt_llm": "1.2.1", "tensorrt": "10.13.3"})
+    assert not _matches_runtime(parsed, {"tensorrt": "10.14.0"})
+    assert not _matches_runtime(parsed, {"tensorrt_llm": "1.2.0"})

@@ -230,4 +230,19 @@ def test_a_payload_that_is_not_the_hubs_is_refused_naming_the_field(env, bad, fi
     _, sessions, _ = env
     with pytest.raises(SpecError) as err:
         models_for_webhook(sessions, bad)
-    assert err.value.field == field and err.value.fix
+    assert err.value.field == field
+    assert (err.value.message, err.value.fix) == ({
+        "body": ("the payload must be a JSON object", "send the Hub's webhook payload"),
+        "event": ("not a Hugging Face webhook payload",
+                  "expected {event: {scope, action}, repo: {name, headSha}, updatedRefs: [...]}")}[field])
+
+
+@pytest.mark.parametrize("ref", ["s3://bucket/acme", "/models/acme", None])
+def test_a_tracked_checkpoint_must_be_a_hub_branch(ref):
+    from workers.freshness import parse_tracked_checkpoint
+
+    with pytest.raises(SpecError) as err:
+        parse_tracked_checkpoint(ref)
+    assert (err.value.field, err.value.message, err.value.fix) == (
+        "checkpoint", "a tracked model follows a Hugging Face branch", "give hf://org/name@branch")
+    assert parse_tracked_checkpoint(f"hf://{REPO}@dev") == (REPO, "dev")
