@@ -384,7 +384,8 @@ def test_the_exact_words_of_each_denial():
     two_keys = "sha256:" + "c" * 64
     facts = {**FACTS,
              D_OTHER_KEY: EngineFacts(D_OTHER_KEY, "fresh", None, "sm90", "r1", "r1", frozenset({two_keys, UNTRUSTED})),
-             D_STALE: EngineFacts(D_STALE, "stale", None, "sm90", "r1", None, frozenset({KEY}))}  # untracked now
+             D_STALE: EngineFacts(D_STALE, "stale", None, "sm90", "r1", None, frozenset({KEY})),  # untracked now
+             D_REVOKED: EngineFacts(D_REVOKED, "revoked", None, "sm90", "r1", "r1", frozenset({KEY}))}  # no reason
 
     def decide_with(body):
         return review(body, hosts={HOST, "registry.example", "registry:5000"}, allow_tags=False, trusted={KEY},
@@ -395,7 +396,9 @@ def test_the_exact_words_of_each_denial():
     msg = decide_with(pod_create(image=f"{HOST}/acme/tiny@{D_STALE}"))["status"]["message"]
     assert msg.endswith(f"containers[1] (engine): {HOST}/acme/tiny@{D_STALE}: the engine is stale (stale); "
                         "set the annotation kiln.dev/allow-stale: <reason> to run it anyway")
-    affinity = pod_create(image=f"{HOST}/acme/tiny@{D_SM100}", node_selector={"kiln.dev/sm": "sm90"})
+    msg = decide_with(pod_create(image=f"{HOST}/acme/tiny@{D_REVOKED}"))["status"]["message"]
+    assert msg.endswith(f"{D_REVOKED}: the engine is revoked")
+    affinity = pod_create(image=f"{HOST}/acme/tiny@{D_SM100}")  # nodeSelector: an H100; affinity: an A100
     affinity["request"]["object"]["spec"]["affinity"] = {"nodeAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
             {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-A100-SXM4-80GB"]}]}]}}}
@@ -412,3 +415,85 @@ def test_the_exact_words_of_each_denial():
     assert parse_reference("acme/tiny:fp8")[:3] == (None, "acme/tiny", "fp8")
     assert decide_with(pod_create(image=f"registry:5000/acme/tiny@{D_UNKNOWN}"))["allowed"] is False
     assert decide_with(pod_create(image=f"registry.example/acme/tiny@{D_UNKNOWN}"))["allowed"] is False
+    odd = pod_create(image=f"{HOST}/acme/tiny@{D_UNKNOWN}")
+    odd["request"]["kind"]["kind"] = ["Pod"]  # not a kind: nothing to judge, no crash
+    assert decide_with(odd) == {"uid": UID, "allowed": True}
+
+
+def test_signature_summary_is_per_engine_and_names_the_trusted_key_first(tmp_path):
+    from api.app import create_app
+    from builder.attest import SIGNED_TYPES
+    from builder.publish import publish
+    from kiln import db
+    from kiln.digests import sha256_bytes
+    from kiln.models import Referrer
+    from kiln.settings import Settings
+    from kiln.spec import parse_spec
+    from workers.admission import signature_summary
+
+    settings = Settings()
+    db.upgrade(settings.db_url)
+    app = create_app(settings, enqueue=lambda *a, **k: None)
+    engines = []
+    for seed in ("signed", "stripped"):
+        spec = parse_spec({"checkpoint": f"hf://acme/{seed}@{'a' * 40}", "model_name": f"acme/{seed}",
+                           "precision": "fp8", "profile": "latency", "backend": "checkpoint"}, [])
+        (tmp_path / seed).mkdir()
+        (tmp_path / seed / "config.json").write_text(json.dumps({"seed": seed}))
+        engines.append(publish(app.state.store, app.state.sessions, tmp_path / seed, spec=spec,
+                               build_key=sha256_bytes(seed.encode()), validation={"passed": True},
+                               provenance={"created": "2026-01-01T00:00:00Z", "toolchain": {}, "checkpoint": {
+                                   "ref": spec.checkpoint, "digest": sha256_bytes(b"c"), "revision": None}}))
+    signed, stripped = engines
+    with app.state.sessions() as s:
+        s.query(Referrer).filter(Referrer.subject == stripped.digest, Referrer.artifact_type.in_(SIGNED_TYPES)) \
+            .delete(synchronize_session=False)
+        s.commit()
+        fp = signature_summary(s, signed.digest, set())["keys"][0]
+        other = "sha256:" + "e" * 64
+        assert signature_summary(s, signed.digest, {other}) == {"signed": True, "trusted": False, "key": fp,
+                                                                 "keys": [fp]}
+        assert signature_summary(s, signed.digest, {other, fp}) == {"signed": True, "trusted": True, "key": fp,
+                                                                     "keys": [fp]}
+        assert signature_summary(s, stripped.digest, {other, fp}) == {"signed": False, "trusted": False,
+                                                                       "key": None, "keys": []}
+
+
+def test_the_review_envelope_operations_and_every_reference_judged():
+    """The AdmissionReview's own rules: the denial's status object, every reference judged (a by-tag or malformed
+    one does not stop the others), operations that hold no new pod pass, the request's apiVersion echoed,
+    annotations of the workload itself count, long warnings cut, refusals of a body that is not a review."""
+    body = pod_create(image=f"{HOST}/acme/tiny:fp8", init_image=f"{HOST}/acme/tiny@sha256:abc",
+                      volume=f"{HOST}/acme/tiny@{D_REVOKED}")
+    r = decide(body)
+    assert r["status"] == {"code": 403, "reason": "Forbidden", "message": (
+        f"kiln denied this pod: initContainers[0] (pull): {HOST}/acme/tiny@sha256:abc has a malformed digest; "
+        f"containers[1] (engine): {HOST}/acme/tiny:fp8 names an engine by tag; use {HOST}/acme/tiny@sha256:… "
+        "(a tag can move under a running deployment); "
+        f"volumes[0] (engine): {HOST}/acme/tiny@{D_REVOKED}: the engine is revoked: CVE-2026-1 in the tokenizer")}
+    for operation, judged in (("DELETE", False), ("CONNECT", True), ("UPDATE", True), (None, True)):
+        b = copy.deepcopy(body)
+        if operation is None:
+            del b["request"]["operation"]  # absent: judged as a CREATE
+        else:
+            b["request"]["operation"] = operation
+        assert decide(b)["allowed"] is (not judged), operation
+    for version, echoed in (("admission.k8s.io/v1beta1", "admission.k8s.io/v1beta1"),
+                            ("admission.k8s.io/v1", "admission.k8s.io/v1"), ("v2", "admission.k8s.io/v1")):
+        b = copy.deepcopy(body)
+        b["apiVersion"] = version
+        assert review(b, hosts={HOST}, allow_tags=False, trusted={KEY}, lookup=lookup)["apiVersion"] == echoed
+    # the Deployment's own annotation admits its template's stale engine; a product label's note comes with it
+    dep = deployment_update(pod_create(image=f"{HOST}/acme/tiny@{D_STALE}",
+                                       node_selector={"nvidia.com/gpu.product": "Mystery-" + "X" * 2000}))
+    dep["request"]["object"]["metadata"]["annotations"] = {"kiln.dev/allow-stale": "pinned for the audit"}
+    r = decide(dep)
+    assert r["allowed"] is True and len(r["warnings"]) == 2
+    assert r["warnings"][0].startswith("nvidia.com/gpu.product=Mystery-XX") and len(r["warnings"][0]) == 1000
+    assert r["warnings"][1].endswith("admitted by kiln.dev/allow-stale: pinned for the audit")
+    for bad, words in (({"kind": "Pod"}, "not an AdmissionReview with a request"),
+                       ({"kind": "AdmissionReview", "request": {"uid": ""}}, "request.uid is missing"),
+                       ({"kind": "AdmissionReview", "request": {"uid": 7}}, "request.uid is missing")):
+        with pytest.raises(ValueError) as err:
+            decide(bad)
+        assert str(err.value) == words

@@ -303,3 +303,23 @@ def test_versions_as_queue_segments_and_runtime_matching():
     assert _matches_runtime(parsed, {}) and _matches_runtime(parsed, {"tensorrt_llm": "1.2.1", "tensorrt": "10.13.3"})
     assert not _matches_runtime(parsed, {"tensorrt": "10.14.0"})
     assert not _matches_runtime(parsed, {"tensorrt_llm": "1.2.0"})
+
+
+def test_the_gpus_given_are_the_ones_advertised_with_each_targets_toolchain():
+    gpus = [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "sm": "sm90"},
+            {"index": 1, "name": "NVIDIA H100 80GB HBM3", "sm": "sm90"},
+            {"index": 2, "name": "Some Future GPU", "sm": "sm999"}]  # an architecture Kiln does not build for
+    asked = []
+
+    def toolchain(backend, target):
+        asked.append((backend, target))
+        return {"backend": backend, "target": target}
+
+    caps = detect(gpus, trtllm=False, cuda=True, toolchain=toolchain)
+    assert caps["gpus"] == gpus and caps["gpu_counts"] == {"sm90": 2}
+    assert (caps["cuda"], caps["trtllm"]) == (True, False)
+    assert caps["queues"] == ["kiln.aot-inductor.cpu", "kiln.checkpoint.cpu", "kiln.aot-inductor.sm90",
+                              "kiln.checkpoint.sm90"]
+    assert asked == [("aot-inductor", "cpu"), ("checkpoint", "cpu"), ("aot-inductor", "sm90"), ("checkpoint", "sm90")]
+    assert caps["toolchains"]["kiln.checkpoint.sm90"] == {"backend": "checkpoint", "target": "sm90"}
+    assert detect(gpus, trtllm=True, cuda=False, toolchain=toolchain)["cuda"] is False

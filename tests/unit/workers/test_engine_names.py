@@ -65,6 +65,9 @@ def test_a_request_for_another_repository_gets_the_same_engine_under_its_own_tag
     assert submit(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), broker).artifact.digest == engine.digest
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(EngineName)) == 1
+    # named in A, published in B: a third repository that asked for nothing has no engine
+    r = _resolve(sessions, "third/tiny")
+    assert (r.status, r.code) == (404, "not_built")
 
 
 def test_a_named_engine_is_pulled_through_the_other_repository_by_tag_and_digest(env, tmp_path):

@@ -56,24 +56,44 @@ def nothing_written(sessions, broker):
 
 
 # -- registration ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, payload, field", [
-    ("Acme/Tiny", body(), "model"),
-    ("acme/tiny", ["not", "an", "object"], "body"),
-    ("acme/tiny", body(checkpoint="/models/tiny"), "checkpoint"),
-    ("acme/tiny", {"checkpoint": f"hf://{REPO}@main", "matrix": []}, "matrix"),
-    ("acme/tiny", {"checkpoint": f"hf://{REPO}@main", "matrix": [ENTRY] * 65}, "matrix"),
-    ("acme/tiny", {"checkpoint": f"hf://{REPO}@main", "matrix": ENTRY}, "matrix"),
-    ("acme/tiny", body(ENTRY, {**ENTRY, "checkpoint": "/elsewhere"}), "matrix.1"),
-    ("acme/tiny", body(ENTRY, "fp8"), "matrix.1"),
-    ("acme/tiny", body(ENTRY, {**ENTRY, "precision": "int3"}), "matrix.1.precision"),
-    ("acme/tiny", body(ENTRY, gates={"speed": 3}), "matrix.0.gates.speed"),
+BODY_FIX = 'send {"checkpoint": ..., "matrix": [...]}'
+MATRIX = ("matrix must list 1 to 64 entries", "give [{precision, profile, target, backend}, ...]")
+NAME_FIX = "use lowercase letters, digits, '.', '_', '-' and '/' separators, e.g. acme/tiny"
+
+
+@pytest.mark.parametrize("name, payload, field, words", [
+    ("Acme/Tiny", body(), "model", ("'Acme/Tiny' is not a valid model name", NAME_FIX)),
+    ("a" * 256, body(), "model", (f"'{'a' * 256}' is not a valid model name", NAME_FIX)),
+    ("acme/tiny", ["not", "an", "object"], "body", ("the body must be a JSON object", BODY_FIX)),
+    ("acme/tiny", body(checkpoint="/models/tiny"), "checkpoint", None),
+    ("acme/tiny", {"checkpoint": f"hf://{REPO}@main", "matrix": []}, "matrix", MATRIX),
+    ("acme/tiny", {"checkpoint": f"hf://{REPO}@main", "matrix": [ENTRY] * 65}, "matrix", MATRIX),
+    ("acme/tiny", {"checkpoint": f"hf://{REPO}@main", "matrix": ENTRY}, "matrix", MATRIX),
+    ("acme/tiny", body(ENTRY, {**ENTRY, "checkpoint": "/elsewhere"}), "matrix.1", "unknown fields ['checkpoint']"),
+    ("acme/tiny", body(ENTRY, "fp8"), "matrix.1", "unknown fields ['(not an object)']"),
+    ("acme/tiny", body(ENTRY, {**ENTRY, "precision": "int3"}), "matrix.1.precision", None),
+    ("acme/tiny", body(ENTRY, gates={"speed": 3}), "matrix.0.gates.speed", None),
+    ("acme/tiny", body(ENTRY, {**ENTRY, "gates": {"speed": 3}}), "matrix.1.gates.speed", None),  # an entry's own
 ])
-def test_registration_checks_every_entry_before_anything_is_written(env, hub, name, payload, field):
+def test_registration_checks_every_entry_before_anything_is_written(env, hub, name, payload, field, words):
     settings, sessions, broker = env
     with pytest.raises(SpecError) as err:
         register_model(settings, sessions, name, payload, broker)
-    assert err.value.field == field and err.value.fix
+    assert err.value.field == field and err.value.fix and err.value.message
+    if isinstance(words, tuple):
+        assert (err.value.message, err.value.fix) == words
+    elif isinstance(words, str):
+        assert err.value.message == words and err.value.fix.startswith("use only [")
     nothing_written(sessions, broker)
+
+
+def test_registration_takes_64_entries_and_a_255_character_name(env, hub):
+    settings, sessions, broker = env
+    profiles = [{"name": f"p{i}", "max_batch_size": 1, "max_input_len": 64 + i, "max_seq_len": 256,
+                 "max_num_tokens": 256} for i in range(64)]
+    name = "acme/" + "t" * 250
+    out = register_model(settings, sessions, name, body(*({**ENTRY, "profile": p} for p in profiles)), broker)
+    assert out.model.name == name and len(out.model.matrix) == 64
 
 
 def test_registration_tracks_the_head_and_builds_the_matrix_for_that_commit(env, hub):
