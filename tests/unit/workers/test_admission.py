@@ -212,32 +212,44 @@ def test_reference_parsing_and_gpu_products():
 
 
 # -- the webhook, end to end --------------------------------------------------------------------------------------
-def test_webhook_over_published_engines(tmp_path, monkeypatch):
+def index_app():
+    """The real app on the isolated home's settings: SQLite with the migrations, the local store, the signer."""
     from api.app import create_app
-    from builder.publish import publish
     from kiln import db
-    from kiln.digests import sha256_bytes
-    from kiln.models import Artifact, Referrer, TrackedModel
     from kiln.settings import Settings
-    from kiln.spec import parse_spec
 
     settings = Settings()
     db.upgrade(settings.db_url)
-    app = create_app(settings, enqueue=lambda *a, **k: None)
+    return create_app(settings, enqueue=lambda *a, **k: None)
+
+
+def publish_engine(app, tmp_path, seed: str, *, model: str = "acme/tiny", target: str = "sm90",
+                   profile: str = "latency", revision: str | None = "a" * 40, validation: dict | None = None):
+    """An engine published by the real ``builder.publish.publish`` (signed, its referrers indexed); ``seed``
+    makes its files and build key distinct."""
+    from builder.publish import publish
+    from kiln.digests import sha256_bytes
+    from kiln.spec import parse_spec
+
+    spec = parse_spec({"checkpoint": f"hf://{model}@{'a' * 40}", "model_name": model, "precision": "fp8",
+                       "profile": profile, "backend": "checkpoint", "target": target}, [])
+    root = tmp_path / seed
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"seed": seed}))
+    prov = {"created": "2026-01-01T00:00:00Z", "toolchain": {},
+            "checkpoint": {"ref": spec.checkpoint, "digest": sha256_bytes(b"c"), "revision": revision}}
+    return publish(app.state.store, app.state.sessions, root, spec=spec, build_key=sha256_bytes(seed.encode()),
+                   provenance=prov, validation=validation or {"passed": True})
+
+
+def test_webhook_over_published_engines(tmp_path, monkeypatch):
+    from api.app import create_app
+    from kiln.models import Artifact, Referrer, TrackedModel
+    from kiln.settings import Settings
+
+    app = index_app()
     client = TestClient(app, base_url=f"http://{HOST}")
-    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "model_name": "acme/tiny", "precision": "fp8",
-                       "profile": "latency", "backend": "checkpoint", "target": "sm90"}, [])
-
-    def engine(seed: str) -> Artifact:
-        root = tmp_path / seed
-        root.mkdir()
-        (root / "config.json").write_text(json.dumps({"seed": seed}))
-        prov = {"created": "2026-01-01T00:00:00Z", "toolchain": {},
-                "checkpoint": {"ref": spec.checkpoint, "digest": sha256_bytes(b"c"), "revision": "a" * 40}}
-        return publish(app.state.store, app.state.sessions, root, spec=spec, build_key=sha256_bytes(seed.encode()),
-                       provenance=prov, validation={"passed": True})
-
-    good, stale = engine("good"), engine("stale")
+    good, stale = publish_engine(app, tmp_path, "good"), publish_engine(app, tmp_path, "stale")
     with app.state.sessions() as s:
         s.add(TrackedModel(name="acme/tiny", checkpoint="hf://acme/tiny@main", head_sha="a" * 40))
         s.get(Artifact, stale.digest).checkpoint_revision = "b" * 40  # built from a head the branch has left
@@ -309,34 +321,18 @@ def test_every_verdict_from_the_index_facts(tmp_path, monkeypatch):
     """engine_facts reads each verdict's fact from the real index: a revoke through the route (its reason comes
     back), a rejected engine (its reason), an unknown digest, the target against the pod's GPU, a head the
     engine was not built from, and with tags allowed a tag resolved in its own repository only."""
-    from api.app import create_app
-    from builder.publish import publish
-    from kiln import db
-    from kiln.digests import sha256_bytes
     from kiln.models import Artifact, TrackedModel
     from kiln.settings import Settings
-    from kiln.spec import parse_spec
 
     monkeypatch.setenv("KILN_ADMISSION_ALLOW_TAGS", "true")
-    settings = Settings()
-    assert settings.admission_allow_tags is True
-    db.upgrade(settings.db_url)
-    app = create_app(settings, enqueue=lambda *a, **k: None)
+    assert Settings().admission_allow_tags is True
+    app = index_app()
     client = TestClient(app, base_url=f"http://{HOST}")
 
-    def engine(seed: str, *, passed: bool = True, target: str = "sm90", model: str = "acme/tiny",
-               profile: str = "latency") -> Artifact:
-        spec = parse_spec({"checkpoint": f"hf://{model}@{'a' * 40}", "model_name": model, "precision": "fp8",
-                           "profile": profile, "backend": "checkpoint", "target": target}, [])
-        root = tmp_path / seed
-        root.mkdir()
-        (root / "config.json").write_text(json.dumps({"seed": seed}))
-        prov = {"created": "2026-01-01T00:00:00Z", "toolchain": {},
-                "checkpoint": {"ref": spec.checkpoint, "digest": sha256_bytes(b"c"), "revision": "a" * 40}}
-        return publish(app.state.store, app.state.sessions, root, spec=spec, build_key=sha256_bytes(seed.encode()),
-                       provenance=prov, validation={"passed": passed, "gates": [
-                           {"name": "perplexity", "value": 412.345, "threshold": 20.0, "passed": passed},
-                           {"name": "top1_agreement", "value": 0.99, "threshold": 0.9, "passed": True}]})
+    def engine(seed: str, *, passed: bool = True, **kw) -> Artifact:
+        return publish_engine(app, tmp_path, seed, **kw, validation={"passed": passed, "gates": [
+            {"name": "perplexity", "value": 412.345, "threshold": 20.0, "passed": passed},
+            {"name": "top1_agreement", "value": 0.99, "threshold": 0.9, "passed": True}]})
 
     revoked, rejected, blackwell = engine("revoked"), engine("rejected", passed=False), engine("b200", target="sm100")
     good = engine("good")  # last of its variant: the tag names it
@@ -421,30 +417,13 @@ def test_the_exact_words_of_each_denial():
 
 
 def test_signature_summary_is_per_engine_and_names_the_trusted_key_first(tmp_path):
-    from api.app import create_app
     from builder.attest import SIGNED_TYPES
-    from builder.publish import publish
-    from kiln import db
-    from kiln.digests import sha256_bytes
     from kiln.models import Referrer
-    from kiln.settings import Settings
-    from kiln.spec import parse_spec
     from workers.admission import signature_summary
 
-    settings = Settings()
-    db.upgrade(settings.db_url)
-    app = create_app(settings, enqueue=lambda *a, **k: None)
-    engines = []
-    for seed in ("signed", "stripped"):
-        spec = parse_spec({"checkpoint": f"hf://acme/{seed}@{'a' * 40}", "model_name": f"acme/{seed}",
-                           "precision": "fp8", "profile": "latency", "backend": "checkpoint"}, [])
-        (tmp_path / seed).mkdir()
-        (tmp_path / seed / "config.json").write_text(json.dumps({"seed": seed}))
-        engines.append(publish(app.state.store, app.state.sessions, tmp_path / seed, spec=spec,
-                               build_key=sha256_bytes(seed.encode()), validation={"passed": True},
-                               provenance={"created": "2026-01-01T00:00:00Z", "toolchain": {}, "checkpoint": {
-                                   "ref": spec.checkpoint, "digest": sha256_bytes(b"c"), "revision": None}}))
-    signed, stripped = engines
+    app = index_app()
+    signed, stripped = (publish_engine(app, tmp_path, seed, model=f"acme/{seed}", target="cpu", revision=None)
+                        for seed in ("signed", "stripped"))
     with app.state.sessions() as s:
         s.query(Referrer).filter(Referrer.subject == stripped.digest, Referrer.artifact_type.in_(SIGNED_TYPES)) \
             .delete(synchronize_session=False)
