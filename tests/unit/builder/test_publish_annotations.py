@@ -118,3 +118,94 @@ def test_a_rejected_engine_records_the_gates_it_failed():
         == "failed n: 3 against the threshold 2"
     assert rejection_reason({"passed": False}) == rejection_reason({"passed": False, "gates": gates[1:2]}) \
         == "validation did not pass"
+
+
+def published(registry, tmp_path, *, build_key: str, model: str = "acme/tiny", revision: str = "a" * 40,
+              validation: dict | None = None, request_key: str | None = None):
+    store, sessions = registry
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{revision}", "model_name": model, "precision": "fp8",
+                       "profile": "balanced", "target": "cpu"}, [])
+    engine = tmp_path / f"engine-{build_key[-6:]}-{model.replace('/', '_')}"
+    engine.mkdir()
+    (engine / "config.json").write_text(json.dumps({"key": build_key}))
+    (engine / "rank0.bin").write_bytes(b"\x00" * 4096)
+    provenance = {"created": "2026-12-01T00:00:00Z", "toolchain": {"torch": "2.13"},
+                  "checkpoint": {"ref": spec.checkpoint, "digest": sha(b"ckpt"), "revision": revision}}
+    validation = validation if validation is not None else {"passed": True, "gates": []}
+    row = publish(store, sessions, engine, spec=spec, build_key=build_key, provenance=provenance,
+                  validation=validation, request_key=request_key)
+    return row, spec, provenance, validation
+
+
+def test_publish_indexes_the_engine_its_tag_and_every_referrer_exactly(registry, tmp_path):
+    from artifacts.signing import BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE
+    from builder.publish import PROVENANCE_TYPE
+    from kiln.models import Artifact, Referrer, Tag, TagEvent
+    from validation.report import REPORT_TYPE
+
+    store, sessions = registry
+    key = sha(b"build")
+    row, spec, provenance, validation = published(registry, tmp_path, build_key=key, request_key=sha(b"request"))
+    manifest = read_manifest(store, row.digest)
+    size = store.stat(row.digest).size + sum(layer["size"] for layer in manifest["layers"])
+    with sessions() as s:
+        a = s.get(Artifact, row.digest)
+        assert (a.build_key, a.request_key, a.repository, a.tag, a.precision, a.target, a.profile, a.backend) == (
+            key, sha(b"request"), "acme/tiny", "fp8-cpu-balanced", "fp8", "cpu", "balanced", "aot-inductor")
+        assert (a.checkpoint_ref, a.checkpoint_digest, a.checkpoint_revision) == (spec.checkpoint, sha(b"ckpt"), "a" * 40)
+        assert (a.size, a.provenance, a.validation, a.status, a.status_reason) == (
+            size, provenance, validation, "fresh", None)
+        assert s.get(Tag, ("acme/tiny", "fp8-cpu-balanced")).digest == row.digest
+        assert [(e.old_digest, e.new_digest, e.reason) for e in s.query(TagEvent)] == [
+            (None, row.digest, f"published {key}")]
+        refs = {r.artifact_type: r for r in s.query(Referrer)}
+    assert set(refs) == {PROVENANCE_TYPE, REPORT_TYPE, BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE}
+    for r in refs.values():
+        assert (r.subject, r.repository, r.size) == (row.digest, "acme/tiny", store.stat(r.digest).size)
+        m = read_manifest(store, r.digest)
+        assert (m["subject"]["digest"], m["subject"]["size"], m["artifactType"]) == (
+            row.digest, store.stat(row.digest).size, r.artifact_type)
+    for t in (PROVENANCE_TYPE, REPORT_TYPE):
+        assert refs[t].annotations == {"dev.kiln.build-key": key}
+        assert read_manifest(store, refs[t].digest)["layers"][0]["mediaType"] == t
+    payload = store.get_bytes(read_manifest(store, refs[PROVENANCE_TYPE].digest)["layers"][0]["digest"])
+    assert payload == json.dumps({"provenance": provenance, "validation": validation}, sort_keys=True, indent=1).encode()
+    report = json.loads(store.get_bytes(read_manifest(store, refs[REPORT_TYPE].digest)["layers"][0]["digest"]))
+    assert (report["digest"], report["engine"]["repository"], report["engine"]["tag"], report["verdict"]) == (
+        row.digest, "acme/tiny", "fp8-cpu-balanced", "pass")
+
+
+def test_a_rejected_or_stale_engine_is_indexed_untagged_with_its_reason(registry, tmp_path):
+    from kiln.models import Artifact, Tag, TrackedModel, utcnow
+
+    store, sessions = registry
+    gates = [{"name": "perplexity", "value": 30.0, "threshold": 20.0, "passed": False}]
+    rejected, *_ = published(registry, tmp_path, build_key=sha(b"r"), validation={"passed": False, "gates": gates})
+    with sessions() as s:
+        s.add(TrackedModel(name="acme/tiny", checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
+                           head_sha="b" * 40, matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
+        s.commit()
+    stale, *_ = published(registry, tmp_path, build_key=sha(b"s"))
+    fresh, *_ = published(registry, tmp_path, build_key=sha(b"f"), revision="b" * 40)
+    with sessions() as s:
+        assert (s.get(Artifact, rejected.digest).status, s.get(Artifact, rejected.digest).status_reason) == (
+            "rejected", "failed perplexity: 30 against the threshold 20")
+        assert (s.get(Artifact, stale.digest).status, s.get(Artifact, stale.digest).status_reason) == ("stale", None)
+        assert [(t.name, t.digest) for t in s.query(Tag)] == [("fp8-cpu-balanced", fresh.digest)]
+
+
+def test_a_key_published_first_answers_in_its_repository_and_is_named_in_another(registry, tmp_path):
+    from kiln.models import Artifact, EngineName, Referrer
+
+    store, sessions = registry
+    first, *_ = published(registry, tmp_path, build_key=sha(b"k"))
+    with sessions() as s:
+        referrers = s.query(Referrer).count()
+    (tmp_path / "again").mkdir()
+    again, *_ = published(registry, tmp_path / "again", build_key=sha(b"k"))
+    assert (again.digest, again.repository, again.status) == (first.digest, "acme/tiny", "fresh")
+    other, *_ = published(registry, tmp_path, build_key=sha(b"k"), model="acme/other")
+    assert (other.digest, other.repository) == (first.digest, "acme/tiny")
+    with sessions() as s:
+        assert s.query(Artifact).count() == 1 and s.query(Referrer).count() == referrers
+        assert [(n.repository, n.digest) for n in s.query(EngineName)] == [("acme/other", first.digest)]

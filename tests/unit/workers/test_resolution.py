@@ -23,7 +23,7 @@ from kiln.models import Artifact, Tag, TrackedModel, utcnow
 from kiln.settings import Settings
 from kiln.spec import parse_spec
 from workers.freshness import mark_stale
-from workers.resolution import parse_runtime, resolve_engine
+from workers.resolution import Servable, incompatibility, parse_runtime, resolve_engine
 
 MODEL = "acme/tiny"
 SLOTS = [("fp8", "latency", "cpu", "aot-inductor"), ("nvfp4", "latency", "sm100", "trtllm-engine")]
@@ -289,3 +289,123 @@ def test_resolve_names_the_build_in_progress_for_its_variant(tmp_path, status):
         r = resolve_slot(s, ASKED)
         assert (r.status, r.code) == (404, "building") and f"build {bid} is {status}" in r.reason
         assert rev(3) in r.reason
+
+
+WHAT = "acme/tiny fp8 latency cpu aot-inductor"
+
+
+def track(index: Index, head: str) -> None:
+    with index.sessions() as s:
+        s.add(TrackedModel(name=MODEL, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
+                           head_sha=head, matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
+        s.commit()
+
+
+def publish_in_order(index: Index, *engines) -> list[Artifact]:
+    """Publish ``(revision, trtllm, passed)`` engines of the asked variant, each stamped newer than the last."""
+    out = [index.publish(revision=r, slot=ASKED, trtllm=t, passed=p) for r, t, p in engines]
+    with index.sessions() as s:
+        for a in out:
+            s.get(Artifact, a.digest).created_at = utcnow()
+            s.commit()
+    return out
+
+
+def test_an_untracked_model_with_no_engine_is_named_as_untracked_word_for_word(tmp_path):
+    index = Index(tmp_path)
+    with index.sessions() as s:
+        r = resolve_slot(s, ASKED)
+    assert (r.artifact, r.status, r.code) == (None, 404, "not_built")
+    assert r.reason == f"no engine for {WHAT} has been built; model 'acme/tiny' is not tracked"
+    track(index, rev(1))
+    with index.sessions() as s:
+        assert resolve_slot(s, ASKED).reason == f"no engine for {WHAT} has been built"
+
+
+def test_the_incompatible_runtime_reason_lists_the_three_newest_fresh_engines_and_what_each_was_built_with(tmp_path):
+    index = Index(tmp_path)
+    track(index, rev(1))
+    a, b, c, d = publish_in_order(index, (rev(1), "1.2.0", True), (rev(1), "1.2.1", True), (rev(1), "1.2.2", True),
+                                  (rev(1), "1.2.3", True))
+    with index.sessions() as s:
+        r = resolve_slot(s, ASKED, runtime="tensorrt_llm=9.9, tensorrt=10.13")
+        assert (r.artifact, r.status, r.code) == (None, 409, "incompatible_runtime")
+        assert r.reason == (f"fresh engines for {WHAT} exist but none loads on tensorrt_llm=9.9, tensorrt=10.13: "
+                            f"{d.digest[:19]}… built with tensorrt_llm 1.2.3 (asked 9.9), tensorrt absent (asked 10.13); "
+                            f"{c.digest[:19]}… built with tensorrt_llm 1.2.2 (asked 9.9), tensorrt absent (asked 10.13); "
+                            f"{b.digest[:19]}… built with tensorrt_llm 1.2.1 (asked 9.9), tensorrt absent (asked 10.13)")
+        # an older engine that loads on the asked runtime is the answer, with everything a deployer needs
+        ok = resolve_slot(s, ASKED, runtime="tensorrt_llm=1.2.0")
+        assert (ok.status, ok.code, ok.reason) == (200, "ok", "fresh")
+        assert ok.artifact == Servable(a.digest, MODEL, a.tag, "fresh", "fp8", "latency", "cpu", "aot-inductor", rev(1),
+                                       s.get(Artifact, a.digest).provenance)
+        assert resolve_slot(s, ASKED).artifact.digest == d.digest  # no runtime asked: the newest
+
+
+def test_the_stale_only_reason_names_the_head_what_its_engines_are_and_the_build_in_progress(tmp_path):
+    index = Index(tmp_path)
+    track(index, rev(1))
+    publish_in_order(index, (rev(1), "1.2.1", True))
+    index.move_head(rev(2))
+    with index.sessions() as s:
+        r = resolve_slot(s, ASKED)
+        assert (r.artifact, r.status, r.code) == (None, 409, "stale_only")
+        assert r.reason == f"only stale engines for {WHAT} (the head is {rev(2)}); no build is running"
+    rejected, revoked = publish_in_order(index, (rev(2), "1.2.1", False), (rev(2), "1.2.1", True))
+    assert index.revoke(revoked.digest).status_code == 200
+    with index.sessions() as s:
+        assert resolve_slot(s, ASKED).reason == (f"only stale engines for {WHAT} (the head is {rev(2)}); "
+                                                 "the head's engines are rejected, revoked; no build is running")
+        bid = add_build(s, ASKED, "queued")
+        assert resolve_slot(s, ASKED).reason == (f"only stale engines for {WHAT} (the head is {rev(2)}); "
+                                                 "the head's engines are rejected, revoked; "
+                                                 f"build {bid} is queued for hf://acme/tiny@{rev(3)}")
+
+
+def test_stale_engines_of_an_untracked_model_are_named_without_a_head(tmp_path):
+    index = Index(tmp_path)
+    (a,) = publish_in_order(index, (rev(1), "1.2.1", True))
+    with index.sessions() as s:
+        s.get(Artifact, a.digest).status = "stale"  # set up: a model no longer tracked keeps its stale engines
+        s.commit()
+        r = resolve_slot(s, ASKED)
+    assert (r.status, r.code, r.reason) == (409, "stale_only", f"only stale engines for {WHAT}; no build is running")
+
+
+def test_engines_that_exist_but_cannot_be_served_are_named_by_their_states(tmp_path):
+    index = Index(tmp_path)
+    track(index, rev(1))
+    publish_in_order(index, (rev(1), "1.2.1", False))
+    with index.sessions() as s:
+        r = resolve_slot(s, ASKED)
+        assert (r.artifact, r.status, r.code) == (None, 404, "none_servable")
+        assert r.reason == f"engines for {WHAT} exist but are rejected"
+    (revoked,) = publish_in_order(index, (rev(1), "1.2.1", True))
+    assert index.revoke(revoked.digest).status_code == 200
+    with index.sessions() as s:
+        assert resolve_slot(s, ASKED).reason == f"engines for {WHAT} exist but are rejected, revoked"
+        bid = add_build(s, ASKED, "running")
+        r = resolve_slot(s, ASKED)
+    assert (r.status, r.code) == (404, "building")
+    assert r.reason == f"no fresh engine for {WHAT} yet; build {bid} is running for hf://acme/tiny@{rev(3)}"
+
+
+def test_runtime_parsing_word_for_word():
+    assert parse_runtime(None) == {} and parse_runtime("") == {}
+    assert parse_runtime(" tensorrt_llm = 1.2.1 ,tensorrt=10.13.3") == {"tensorrt_llm": "1.2.1", "tensorrt": "10.13.3"}
+    assert parse_runtime("a=b=c") == {"a": "b=c"}
+    for bad in ("trtllm", "=1.2", "trtllm="):
+        with pytest.raises(SpecError) as e:
+            parse_runtime(f"tensorrt=10,{bad}")
+        assert (e.value.message, e.value.field, e.value.fix) == (
+            f"{bad!r} is not name=version", "runtime", "write e.g. tensorrt_llm=1.2.1,tensorrt=10.13.3")
+
+
+def test_incompatibility_names_each_component_built_otherwise_or_absent():
+    built = {"toolchain": {"tensorrt_llm": "1.2.1", "tensorrt": "10.13.3"}}
+    assert incompatibility(built, {}) is None
+    assert incompatibility(built, {"tensorrt_llm": "1.2.1", "tensorrt": "10.13.3"}) is None
+    assert incompatibility(built, {"tensorrt": "10.13.3", "tensorrt_llm": "1.2.0", "cuda": "13"}) == \
+        "built with tensorrt_llm 1.2.1 (asked 1.2.0), cuda absent (asked 13)"
+    assert incompatibility(None, {"tensorrt_llm": "1.2.1"}) == "built with tensorrt_llm absent (asked 1.2.1)"
+    assert incompatibility({}, {"tensorrt_llm": "1.2.1"}) == "built with tensorrt_llm absent (asked 1.2.1)"
