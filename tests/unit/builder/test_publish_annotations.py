@@ -4,6 +4,7 @@ Kiln's too (what ``docker inspect`` / ``skopeo inspect`` show)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from pathlib import Path
@@ -116,6 +117,8 @@ def test_a_rejected_engine_records_the_gates_it_failed():
         "failed perplexity: 31.26 against the threshold 20; throughput_drop: 0.35 against the threshold 0.2")
     assert rejection_reason({"passed": False, "gates": [{"name": "n", "value": 3, "threshold": 2, "passed": False}]}) \
         == "failed n: 3 against the threshold 2"
+    assert rejection_reason({"gates": [{"name": "n", "value": None, "threshold": "x", "passed": False}]}) \
+        == "failed n: None against the threshold x"
     assert rejection_reason({"passed": False}) == rejection_reason({"passed": False, "gates": gates[1:2]}) \
         == "validation did not pass"
 
@@ -147,6 +150,8 @@ def test_publish_indexes_the_engine_its_tag_and_every_referrer_exactly(registry,
     key = sha(b"build")
     row, spec, provenance, validation = published(registry, tmp_path, build_key=key, request_key=sha(b"request"))
     manifest = read_manifest(store, row.digest)
+    assert (manifest["annotations"]["dev.kiln.build-key"], manifest["annotations"]["dev.kiln.validation.passed"]) == (
+        key, "true")
     size = store.stat(row.digest).size + sum(layer["size"] for layer in manifest["layers"])
     with sessions() as s:
         a = s.get(Artifact, row.digest)
@@ -163,8 +168,9 @@ def test_publish_indexes_the_engine_its_tag_and_every_referrer_exactly(registry,
     for r in refs.values():
         assert (r.subject, r.repository, r.size) == (row.digest, "acme/tiny", store.stat(r.digest).size)
         m = read_manifest(store, r.digest)
-        assert (m["subject"]["digest"], m["subject"]["size"], m["artifactType"]) == (
-            row.digest, store.stat(row.digest).size, r.artifact_type)
+        assert m["subject"] == {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": row.digest,
+                                "size": store.stat(row.digest).size}
+        assert (m["artifactType"], m.get("annotations")) == (r.artifact_type, r.annotations)
     for t in (PROVENANCE_TYPE, REPORT_TYPE):
         assert refs[t].annotations == {"dev.kiln.build-key": key}
         assert read_manifest(store, refs[t].digest)["layers"][0]["mediaType"] == t
@@ -173,6 +179,32 @@ def test_publish_indexes_the_engine_its_tag_and_every_referrer_exactly(registry,
     report = json.loads(store.get_bytes(read_manifest(store, refs[REPORT_TYPE].digest)["layers"][0]["digest"]))
     assert (report["digest"], report["engine"]["repository"], report["engine"]["tag"], report["verdict"]) == (
         row.digest, "acme/tiny", "fp8-cpu-balanced", "pass")
+    assert (report["engine"]["created"], report["spec"]["checkpoint_content"]) == (
+        "2026-12-01T00:00:00Z", provenance["checkpoint"])
+    envelope = json.loads(store.get_bytes(read_manifest(store, refs[IN_TOTO_PAYLOAD_TYPE].digest)["layers"][0]["digest"]))
+    statement = json.loads(base64.b64decode(envelope["payload"]))
+    assert statement["subject"][0]["name"] == "acme/tiny@manifest"
+
+
+def test_publish_uploads_the_layer_a_build_surveyed_beforehand_without_reading_it_again(registry, tmp_path):
+    from artifacts.oci import survey_engine_layer
+
+    store, sessions = registry
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "precision": "fp8", "target": "cpu"}, [])
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_text("{}")
+    survey = survey_engine_layer(store, engine)
+
+    def read_again(open_source):
+        raise AssertionError("publish surveyed the layer again")
+
+    store.survey = read_again
+    provenance = {"created": "2026-12-01T00:00:00Z", "toolchain": {},
+                  "checkpoint": {"ref": spec.checkpoint, "digest": sha(b"c"), "revision": "a" * 40}}
+    row = publish(store, sessions, engine, spec=spec, build_key=sha(b"k"), provenance=provenance,
+                  validation={"passed": True}, layer_survey=survey)
+    assert read_manifest(store, row.digest)["layers"][0]["digest"] == survey.digest
 
 
 def test_a_rejected_or_stale_engine_is_indexed_untagged_with_its_reason(registry, tmp_path):

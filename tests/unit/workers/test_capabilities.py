@@ -145,6 +145,18 @@ def test_routing_with_a_pinned_runtime_only_offers_matching_versioned_queues():
     assert routing_queues("trtllm-engine", "sm90", 4, ADVERTISED, VERSIONS) == []  # no worker can: submit waits
 
 
+def test_versioned_queues_are_offered_newest_first_by_number_not_by_spelling():
+    def q(trtllm, trt):
+        return f"kiln.trtllm-engine.sm90.trtllm-{trtllm}.trt-{trt}"
+
+    advertised = [q("1.9.3", "10.13.3"), q("1.2.0rc1", "10.13.3"), q("1.10.0", "10.9.0"), q("1.10.0", "10.13.3"),
+                  q("1.2.0", "10.13.3")]
+    # 1.10 after 1.9 as numbers; a pre-release segment ranks below any released number; then TensorRT's version
+    assert routing_queues("trtllm-engine", "sm90", 1, advertised) == [
+        q("1.10.0", "10.13.3"), q("1.10.0", "10.9.0"), q("1.9.3", "10.13.3"), q("1.2.0", "10.13.3"),
+        q("1.2.0rc1", "10.13.3"), "kiln.trtllm-engine.sm90"]
+
+
 # -- detection without NVML (this machine) ---------------------------------------------------------
 def test_detection_on_this_machine_without_nvidia_gpus():
     gpus = detect_gpus()

@@ -269,3 +269,24 @@ def test_a_build_as_strict_as_any_matrix_entry_of_its_variant_passes(env):
     with pytest.raises(SpecError) as e:  # looser than both
         submit(settings, sessions, spec_of(settings, {**CPU, "gates": {"max_mean_kl": 0.045}}), broker)
     assert e.value.field == "gates.max_mean_kl"
+
+
+def test_a_head_move_untags_only_this_repositorys_names_of_other_heads_engines(env, tmp_path):
+    """A's tags after ``mark_stale(A)``: its own engine of the head and another repository's engine of the head
+    keep theirs; B's tags are B's, even where B's engine of an old revision shares the tag name with A's."""
+    from builder.publish import name_in_repository
+
+    settings, sessions, broker = env
+    _track(sessions, A, NEXT)
+    old_b = _published_under_b(settings, sessions, tmp_path, revision=REV)  # B's tag T
+    own = publish_for(settings, sessions, spec_of(settings, {**CPU, "model_name": A}), "sha256:" + "e" * 64,
+                      tmp_path, revision=NEXT)  # A's own engine of its head, under the same tag name T
+    balanced = spec_of(settings, {**CPU, "profile": "balanced"})
+    head_b = publish_for(settings, sessions, balanced, "sha256:" + "f" * 64, tmp_path, revision=NEXT)
+    name_in_repository(sessions, head_b.digest, A)  # B's engine of A's head, named and tagged in A
+    assert old_b.tag == own.tag != head_b.tag
+    with sessions() as s:
+        assert mark_stale(s, s.get(TrackedModel, A)) == 0
+        s.commit()
+    assert (_tag(sessions, A, own.tag), _tag(sessions, A, head_b.tag)) == (own.digest, head_b.digest)
+    assert (_tag(sessions, B, old_b.tag), _tag(sessions, B, head_b.tag)) == (old_b.digest, head_b.digest)

@@ -197,6 +197,8 @@ def test_mark_stale_spares_the_head_and_stales_engines_without_a_revision(env, h
         assert mark_stale(s, model) == 1
         s.commit()
     assert _status(sessions, head.digest) == "fresh" and _status(sessions, unknown.digest) == "stale"
+    with sessions() as s:
+        assert s.get(Artifact, unknown.digest).status_reason == f"{REPO}@main moved to {C2}"
 
 
 # -- the webhook ----------------------------------------------------------------------------------------

@@ -222,7 +222,8 @@ def test_an_engine_published_while_the_head_moves_is_stale_and_untagged(tmp_path
         s.commit()
     a = index.publish_racing_head_move(revision=rev(1), new_head=rev(2), slot=SLOTS[0], trtllm="1.2.1")
     with index.sessions() as s:
-        assert s.get(Artifact, a.digest).status == "stale"
+        assert (s.get(Artifact, a.digest).status, s.get(Artifact, a.digest).status_reason) == (
+            "stale", f"the tracked branch moved while {a.build_key} published")
         assert s.query(Tag).count() == 0
         r = resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="cpu", backend="aot-inductor")
         assert r.artifact is None and r.code == "stale_only"
@@ -364,12 +365,51 @@ def test_the_stale_only_reason_names_the_head_what_its_engines_are_and_the_build
 
 def test_stale_engines_of_an_untracked_model_are_named_without_a_head(tmp_path):
     index = Index(tmp_path)
-    (a,) = publish_in_order(index, (rev(1), "1.2.1", True))
+    a, rejected = publish_in_order(index, (rev(1), "1.2.1", True), (rev(1), "1.2.1", False))
     with index.sessions() as s:
         s.get(Artifact, a.digest).status = "stale"  # set up: a model no longer tracked keeps its stale engines
+        s.get(Artifact, rejected.digest).checkpoint_revision = None  # and one of no known revision: no head's
         s.commit()
         r = resolve_slot(s, ASKED)
     assert (r.status, r.code, r.reason) == (409, "stale_only", f"only stale engines for {WHAT}; no build is running")
+
+
+def test_a_head_that_moves_back_names_its_old_engines_stale_and_the_others_by_state(tmp_path):
+    index = Index(tmp_path)
+    track(index, rev(1))
+    publish_in_order(index, (rev(1), "1.2.1", True))
+    index.move_head(rev(2))
+    index.move_head(rev(1))  # a revert: the engine of rev(1) stays stale (a stale engine is never fresh again)
+    with index.sessions() as s:
+        assert resolve_slot(s, ASKED).reason == f"only stale engines for {WHAT} (the head is {rev(1)}); no build is running"
+    publish_in_order(index, (rev(1), "1.2.1", False))
+    with index.sessions() as s:
+        assert resolve_slot(s, ASKED).reason == (f"only stale engines for {WHAT} (the head is {rev(1)}); "
+                                                 "the head's engines are rejected; no build is running")
+
+
+@pytest.mark.parametrize("field,value,message,fix", [
+    ("precision", "int8", "'int8' is not a precision", "use one of fp8, nvfp4"),
+    ("backend", "tensorrt", "'tensorrt' is not a backend", "use one of aot-inductor, checkpoint, trtllm-engine"),
+])
+def test_resolve_refuses_an_unknown_precision_or_backend_naming_the_field_and_the_choices(tmp_path, field, value,
+                                                                                        message, fix):
+    index = Index(tmp_path)
+    asked = dict(zip(("precision", "profile", "target", "backend"), ASKED), **{field: value})
+    with index.sessions() as s, pytest.raises(SpecError) as e:
+        resolve_engine(s, model=MODEL, **asked)
+    assert (e.value.message, e.value.field, e.value.fix) == (message, field, fix)
+
+
+def test_resolve_refuses_an_unknown_target_with_the_targets_own_words(tmp_path):
+    from kiln.spec import normalize_target
+
+    index = Index(tmp_path)
+    _, err = normalize_target("tpu-v9")
+    with index.sessions() as s, pytest.raises(SpecError) as e:
+        resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="tpu-v9", backend="aot-inductor")
+    assert (e.value.message, e.value.field, e.value.fix) == (err["message"], "target", err["fix"])
+    assert err["message"] and err["fix"]
 
 
 def test_engines_that_exist_but_cannot_be_served_are_named_by_their_states(tmp_path):
