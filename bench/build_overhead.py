@@ -42,9 +42,10 @@ def raw_stages(precision: str, profile_name: str, work: Path, quantize: bool) ->
     from bench import raw_build
     from kiln.spec import PROFILES
 
-    return raw_build.run(ROOT / "examples" / "tiny-llama", work, precision=precision, profile=PROFILES[profile_name],
-                         calib_samples=32, calib_seq_len=128, eval_seq_len=128, eval_max_tokens=16384,
-                         do_quantize=quantize)["seconds"]
+    out = raw_build.run(ROOT / "examples" / "tiny-llama", work, precision=precision, profile=PROFILES[profile_name],
+                        calib_samples=32, calib_seq_len=128, eval_seq_len=128, eval_max_tokens=16384,
+                        do_quantize=quantize)
+    return {**out["seconds"], "imports": out.get("quantize_import_seconds", 0.0)}
 
 
 def cold_env(tmp: Path, **extra: str) -> dict[str, str]:
@@ -56,10 +57,16 @@ def cold_env(tmp: Path, **extra: str) -> dict[str, str]:
 def raw_process(precision: str, profile: str, work: Path, quantize: bool) -> tuple[float, dict[str, float]]:
     """Wall time of the raw calls in a fresh process, and the per-stage seconds it measured inside."""
     cmd = [sys.executable, __file__, "--precision", precision, "--profile", profile, "--raw-only", str(work)]
+    import resource
+
     t0 = time.perf_counter()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd + ([] if quantize else ["--no-quantize"]), check=True, capture_output=True,
                          text=True, env=cold_env(work.parent)).stdout
-    return time.perf_counter() - t0, json.loads(out.strip().splitlines()[-1])
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = json.loads(out.strip().splitlines()[-1])
+    seconds["cpu"] = round(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, 2)  # the process and its children
+    return time.perf_counter() - t0, seconds
 
 
 def kiln_build(precision: str, profile: str, home: Path, other_profile: str) -> dict[str, float]:
@@ -77,6 +84,32 @@ def kiln_build(precision: str, profile: str, home: Path, other_profile: str) -> 
         out[label] = time.perf_counter() - t0
         out[label + "_stages"] = {s["name"]: s["seconds"] for s in json.loads(proc.stdout.strip().splitlines()[-1])["stages"]}
     return out
+
+
+def session_cpu(sid: int) -> dict[int, tuple[str, float]]:
+    """pid → (command, CPU seconds including reaped children's) of every process in session ``sid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # fields[0] is the state: session is stat's 6th field
+            out[int(d.name)] = (cmd[-60:], sum(int(x) for x in fields[11:15]) / tick)
+    return out
+
+
+def cpu_beside(before: dict, after: dict) -> dict:
+    """CPU seconds spent between two readings: by the busiest process (the pool child that built) and by all
+    the others (API, broker polling, the worker's main process, the event stream)."""
+    spent = sorted(((cpu - before.get(pid, ("", 0.0))[1], cmd) for pid, (cmd, cpu) in after.items()), reverse=True)
+    return {"build_process_cpu_s": round(spent[0][0], 2) if spent else 0.0,
+            "other_processes_cpu_s": round(sum(c for c, _ in spent[1:]), 2),
+            "others": [f"{cmd}: {c:.2f}" for c, cmd in spent[1:] if c >= 0.05]}
 
 
 def service_build(precision: str, profile: str, home: Path) -> tuple[float, dict]:
@@ -117,9 +150,12 @@ def service_build(precision: str, profile: str, home: Path) -> tuple[float, dict
         build({"checkpoint": ckpt, "precision": precision, "backend": "checkpoint",
                "calibration": {"samples": 8, "seq_len": 64}, "evaluation": {"max_tokens": 512},
                "override_reason": "a benchmark build: a short evaluation"})
+        cpu0 = session_cpu(proc.pid)
         t0 = time.perf_counter()
         done = build({"checkpoint": ckpt, "precision": precision, "profile": profile})
-        return time.perf_counter() - t0, {s["name"]: s["seconds"] for s in done["stages"]}
+        seconds = time.perf_counter() - t0
+        stages = {s["name"]: s["seconds"] for s in done["stages"]}
+        return seconds, {**stages, "cpu": cpu_beside(cpu0, session_cpu(proc.pid))}
     finally:
         import signal
 
@@ -157,20 +193,30 @@ def main() -> None:
                 (raw_full, raw, raw_cv, raw_other), (k, svc, svc_stages) = run_raw(), run_kiln()
             else:
                 (k, svc, svc_stages), (raw_full, raw, raw_cv, raw_other) = run_kiln(), run_raw()
-        rounds.append({"raw_full": raw_full, "raw_inproc": sum(raw.values()), "raw_cv": raw_cv, "kiln": k["full"],
+        imports, raw_cpu = raw.pop("imports"), raw.pop("cpu")
+        raw_other.pop("imports"), raw_other.pop("cpu")
+        svc_cpu = svc_stages.pop("cpu")
+        # a running worker has ModelOpt and transformers imported; raw's quantize seconds include their import
+        rounds.append({"raw_full": raw_full, "raw_inproc": sum(raw.values()),
+                       "raw_warm": sum(raw.values()) - imports, "raw_cv": raw_cv, "kiln": k["full"],
                        "cache_hit": k["cache_hit"], "profile_only": k["profile_only"], "svc": svc})
         print(f"round {r + 1}: raw {raw}; raw {args.other_profile} {raw_other}; kiln {k['full_stages']}; "
               f"profile-only {k['profile_only_stages']}; service {svc_stages}")
         print("  seconds: " + ", ".join(f"{n} {v:.2f}" for n, v in rounds[-1].items()))
+        print(f"  CPU seconds: raw process {raw_cpu:.2f} (imports included); service: the build's process "
+              f"{svc_cpu['build_process_cpu_s']:.2f}, every other process {svc_cpu['other_processes_cpu_s']:.2f} "
+              f"({'; '.join(svc_cpu['others'])})")
     med = {n: statistics.median(x[n] for x in rounds) for n in rounds[0]}
     ratios = {  # paired within a round, then the median over rounds
         "kiln CLI end to end / raw process": [x["kiln"] / x["raw_full"] for x in rounds],
         "service end to end / raw in-process seconds": [x["svc"] / x["raw_inproc"] for x in rounds],
+        "service end to end / raw in-process seconds less quantize's imports": [x["svc"] / x["raw_warm"]
+                                                                               for x in rounds],
         "profile-only rebuild / raw compile+validate process": [x["profile_only"] / x["raw_cv"] for x in rounds],
     }
     print(f"medians over {args.rounds} round(s), every process with a cold TorchInductor cache:")
     print(f"raw calls in a fresh process (imports included, as a CLI build pays them): {med['raw_full']:.2f}s "
-          f"(in-process {med['raw_inproc']:.2f}s); raw compile + validate for {args.other_profile}: {med['raw_cv']:.2f}s")
+          f"(in-process {med['raw_inproc']:.2f}s, {med['raw_warm']:.2f}s less quantize's imports); raw compile + validate for {args.other_profile}: {med['raw_cv']:.2f}s")
     print(f"kiln build (CLI process, end to end): {med['kiln']:.2f}s")
     print(f"end to end through API + broker + worker + store (kiln serve, a running worker, its imports done): "
           f"{med['svc']:.2f}s")
