@@ -190,3 +190,84 @@ def test_lifespan_events_pass_through_the_middleware(tmp_path):
     with TestClient(create_app(s, enqueue=lambda *a: None)) as client:  # startup and shutdown go through it
         assert client.get("/healthz").status_code == 200
         assert client.get("/v1/artifacts", headers=bearer(BOOT)).status_code == 200
+
+
+def test_tokens_are_stored_keyed_by_the_servers_secret_and_found_by_either_hash():
+    import hashlib
+    import hmac
+
+    from api.auth import token_hashes
+
+    plain = hashlib.sha256(b"kiln_t").hexdigest()
+    keyed = hmac.new(b"s3cret", b"kiln_t", hashlib.sha256).hexdigest()
+    assert token_hashes("kiln_t", "s3cret") == [keyed, plain]  # new rows are keyed; rows from before, plain
+    assert token_hashes("kiln_t", None) == token_hashes("kiln_t", "") == [plain]
+    assert (token_hash("kiln_t", "s3cret"), token_hash("kiln_t")) == (keyed, plain)
+
+
+def test_with_a_secret_the_bootstrap_and_new_tokens_are_stored_keyed_and_old_plain_rows_still_work(tmp_path):
+    import uuid
+
+    from kiln.models import utcnow
+
+    client = app_for(tmp_path, auth="required", bootstrap_token=BOOT, token_secret="s3cret")
+    made = make_token(client, "artifacts:read")
+    with client.app.state.sessions() as s:
+        stored = {r.name: r.token_sha256 for r in s.query(ApiToken)}
+        s.add(ApiToken(id=uuid.uuid4().hex, name="old", token_sha256=token_hash("kiln_old"), scopes=["artifacts:read"],
+                       created_at=utcnow(), issued_with_auth=True))
+        s.commit()
+    assert stored == {"bootstrap": token_hash(BOOT, "s3cret"), "t": token_hash(made["token"], "s3cret")}
+    assert client.get("/v1/artifacts", headers=bearer(made["token"])).status_code == 200
+    assert client.get("/v1/artifacts", headers=bearer("kiln_old")).status_code == 200
+
+
+@pytest.mark.parametrize("name,scopes,upgraded", [("bootstrap", ["admin"], True), ("ci", ["admin"], False),
+                                                  ("bootstrap", ["artifacts:read"], False)])
+def test_a_bootstrap_row_minted_while_auth_was_off_is_the_operators_only_if_it_is_the_bootstrap(tmp_path, name,
+                                                                                             scopes, upgraded):
+    import uuid
+
+    from kiln.models import utcnow
+
+    s_ = Settings(home=tmp_path / "home")
+    db.upgrade(s_.db_url)
+    sessions = db.session_factory(s_.db_url)
+    with sessions() as s:  # the same secret, stored while auth was off (anyone could mint then)
+        s.add(ApiToken(id=uuid.uuid4().hex, name=name, token_sha256=token_hash(BOOT), scopes=scopes,
+                       created_at=utcnow(), issued_with_auth=False))
+        s.commit()
+    client = app_for(tmp_path, auth="required", bootstrap_token=BOOT)
+    with client.app.state.sessions() as s:
+        assert [(r.name, r.issued_with_auth) for r in s.query(ApiToken)] == [(name, upgraded)]
+    assert client.get("/v1/artifacts", headers=bearer(BOOT)).status_code == (200 if upgraded else 401)
+
+
+def test_a_token_is_listed_and_revoked_with_every_field_but_its_secret(client):
+    from datetime import datetime
+
+    made = make_token(client, "artifacts:read", name="ci")
+    listed = {t["name"]: t for t in client.get("/v1/tokens", headers=bearer(BOOT)).json()["tokens"]}
+    ci = listed["ci"]
+    assert set(ci) == {"id", "name", "scopes", "created_at", "expires_at", "revoked"}
+    assert (ci["id"], ci["scopes"], ci["expires_at"], ci["revoked"]) == (made["id"], ["artifacts:read"], None, False)
+    datetime.fromisoformat(ci["created_at"])
+    revoked = client.delete(f"/v1/tokens/{made['id']}", headers=bearer(BOOT)).json()
+    assert (revoked["id"], revoked["revoked"]) == (made["id"], True)
+    expiring = client.post("/v1/tokens", json={"name": "x", "scopes": ["artifacts:read"], "expires_in_days": 2},
+                           headers=bearer(BOOT)).json()
+    left = datetime.fromisoformat(expiring["expires_at"]) - datetime.fromisoformat(expiring["created_at"])
+    assert 2 * 86400 - 5 < left.total_seconds() < 2 * 86400 + 5
+
+
+def test_the_failure_record_forgets_everyone_only_past_ten_thousand_addresses(client):
+    from api.auth import AuthMiddleware
+
+    m = AuthMiddleware(None, kiln_app=client.app)
+    m.failures = {f"10.0.{i // 256}.{i % 256}": None for i in range(10_000)}
+    m._failed("192.0.2.1")  # 10,000 known: kept, one more added
+    assert len(m.failures) == 10_001 and len(m.failures["192.0.2.1"]) == 1
+    m._failed("192.0.2.2")  # over 10,000: forgotten, then this one recorded
+    assert list(m.failures) == ["192.0.2.2"]
+    m._failed("192.0.2.2")
+    assert len(m.failures["192.0.2.2"]) == 2
