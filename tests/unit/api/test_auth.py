@@ -271,3 +271,57 @@ def test_the_failure_record_forgets_everyone_only_past_ten_thousand_addresses(cl
     assert list(m.failures) == ["192.0.2.2"]
     m._failed("192.0.2.2")
     assert len(m.failures["192.0.2.2"]) == 2
+
+
+def test_a_registry_client_is_told_the_registry_api_version_when_refused(client):
+    v2 = client.get("/v2/")
+    assert (v2.status_code, v2.headers["Docker-Distribution-API-Version"]) == (401, "registry/2.0")
+    assert "Docker-Distribution-API-Version" not in client.get("/v1/artifacts").headers
+
+
+def test_an_expired_token_is_refused_like_an_unknown_one(client):
+    import uuid
+    from datetime import timedelta
+
+    from kiln.models import utcnow
+
+    with client.app.state.sessions() as s:
+        for name, days in (("expired", -1), ("valid", 1)):
+            s.add(ApiToken(id=uuid.uuid4().hex, name=name, token_sha256=token_hash(f"kiln_{name}"),
+                           scopes=["artifacts:read"], created_at=utcnow(), issued_with_auth=True,
+                           expires_at=utcnow() + timedelta(days=days)))
+        s.commit()
+    r = client.get("/v1/artifacts", headers=bearer("kiln_expired"))
+    assert r.status_code == 401 and r.json()["error"]["message"] == "unknown or revoked token"
+    assert client.get("/v1/artifacts", headers=bearer("kiln_valid")).status_code == 200
+
+
+def test_ten_failed_token_checks_from_an_address_are_answered_429_for_the_window(client):
+    from api.auth import FAILURE_WINDOW_S, MAX_FAILURES
+
+    assert (MAX_FAILURES, FAILURE_WINDOW_S) == (10, 60.0)
+    for _ in range(MAX_FAILURES):
+        assert client.get("/v1/artifacts", headers=bearer("kiln_wrong")).status_code == 401
+    r = client.get("/v1/artifacts", headers=bearer(BOOT))  # even a valid token, from that address, waits
+    assert (r.status_code, r.headers["Retry-After"]) == (429, "60")
+    assert r.json() == {"error": {"code": "too_many_failures", "field": "Authorization",
+                                  "message": "too many failed token checks from this address",
+                                  "fix": "wait 60 s and use a valid token"}}
+    assert client.get("/v1/artifacts").status_code == 401  # no token sent: not a token check, not throttled
+
+
+def test_nine_failures_are_not_throttled_and_failures_older_than_the_window_are_forgotten(client):
+    import time
+    from collections import deque
+
+    from api.auth import AuthMiddleware
+
+    for _ in range(9):
+        client.get("/v1/artifacts", headers=bearer("kiln_wrong"))
+    assert client.get("/v1/artifacts", headers=bearer(BOOT)).status_code == 200
+    m = AuthMiddleware(None, kiln_app=client.app)
+    now = time.monotonic()
+    m.failures["a"] = deque([now - 61] * 10 + [now - 1])
+    m.failures["b"] = deque([now - 59] * 10)
+    assert (m._throttled("a"), len(m.failures["a"])) == (False, 1)
+    assert (m._throttled("b"), m._throttled("nobody")) == (True, False)
