@@ -325,3 +325,27 @@ def test_nine_failures_are_not_throttled_and_failures_older_than_the_window_are_
     m.failures["b"] = deque([now - 59] * 10)
     assert (m._throttled("a"), len(m.failures["a"])) == (False, 1)
     assert (m._throttled("b"), m._throttled("nobody")) == (True, False)
+
+
+def test_a_declared_body_over_the_limit_is_refused_413_before_any_token_check(tmp_path):
+    client = app_for(tmp_path, auth="required", bootstrap_token=BOOT, max_body_bytes=100)
+    r = client.post("/v1/builds", content=b"x" * 101, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"  # no token sent: still 413, not 401
+
+
+def test_with_anonymous_reads_a_sent_token_is_still_checked(tmp_path):
+    anon = app_for(tmp_path, auth="required", bootstrap_token=BOOT, anonymous_read=True)
+    assert anon.get("/v1/artifacts").status_code == 200
+    assert anon.get("/v1/artifacts", headers=bearer("kiln_wrong")).status_code == 401
+
+
+def test_failed_token_checks_are_counted_per_client_address(tmp_path):
+    s = Settings(home=tmp_path / "home", auth="required", bootstrap_token=BOOT)
+    db.upgrade(s.db_url)
+    app = create_app(s, enqueue=lambda *a: None)
+    noisy = TestClient(app, client=("192.0.2.7", 40000))
+    other = TestClient(app, client=("192.0.2.8", 40000))  # same port, another address
+    for _ in range(10):
+        noisy.get("/v1/artifacts", headers=bearer("kiln_wrong"))
+    assert noisy.get("/v1/artifacts", headers=bearer(BOOT)).status_code == 429
+    assert other.get("/v1/artifacts", headers=bearer(BOOT)).status_code == 200
