@@ -715,3 +715,15 @@ def test_a_matrix_identifies_each_checkpoint_once(env, monkeypatch):
              for q in ("fp8", "nvfp4")]
     assert [a.outcome for a in submit_many(settings, sessions, specs, broker)] == ["created"] * 6
     assert calls == [str(TINY)]
+
+
+def test_a_new_build_must_start_queued_and_nothing_is_written_otherwise(env):
+    from kiln.states import create_build
+
+    _, sessions, _ = env
+    with sessions() as s:
+        with pytest.raises(InvalidTransition) as e:
+            create_build(s, Build(id="b" * 32, request_key="sha256:" + "a" * 64, queue="q", status="running", spec={}))
+        assert (e.value.message, e.value.field, e.value.fix) == (
+            "a new build starts queued, not running", "status", "create builds as queued")
+        assert s.query(Build).count() == 0 and s.query(BuildEvent).count() == 0
