@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -57,8 +58,6 @@ def cold_env(tmp: Path, **extra: str) -> dict[str, str]:
 def raw_process(precision: str, profile: str, work: Path, quantize: bool) -> tuple[float, dict[str, float]]:
     """Wall time of the raw calls in a fresh process, and the per-stage seconds it measured inside."""
     cmd = [sys.executable, __file__, "--precision", precision, "--profile", profile, "--raw-only", str(work)]
-    import resource
-
     t0 = time.perf_counter()
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd + ([] if quantize else ["--no-quantize"]), check=True, capture_output=True,

@@ -188,15 +188,20 @@ def test_runtime_parsing():
     assert e.value.field == "runtime"
 
 
+def track(index: Index, head: str) -> None:
+    with index.sessions() as s:
+        s.add(TrackedModel(name=MODEL, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
+                           head_sha=head, matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
+        s.commit()
+
+
 def test_resolve_reasons(tmp_path):
     index = Index(tmp_path)
     sessions, slot = index.sessions, SLOTS[0]
     with sessions() as s:
         r = resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="cpu", backend="aot-inductor")
         assert (r.status, r.code) == (404, "not_built")
-        s.add(TrackedModel(name=MODEL, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
-                           head_sha=rev(1), matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
-        s.commit()
+    track(index, rev(1))
     index.publish(revision=rev(1), slot=slot, trtllm="1.2.1")
     with sessions() as s:
         ok = resolve_engine(s, model=MODEL, precision="fp8", profile="latency", target="cpu", backend="aot-inductor")
@@ -216,10 +221,7 @@ def test_resolve_reasons(tmp_path):
 
 def test_an_engine_published_while_the_head_moves_is_stale_and_untagged(tmp_path):
     index = Index(tmp_path)
-    with index.sessions() as s:
-        s.add(TrackedModel(name=MODEL, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
-                           head_sha=rev(1), matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
-        s.commit()
+    track(index, rev(1))
     a = index.publish_racing_head_move(revision=rev(1), new_head=rev(2), slot=SLOTS[0], trtllm="1.2.1")
     with index.sessions() as s:
         assert (s.get(Artifact, a.digest).status, s.get(Artifact, a.digest).status_reason) == (
@@ -293,13 +295,6 @@ def test_resolve_names_the_build_in_progress_for_its_variant(tmp_path, status):
 
 
 WHAT = "acme/tiny fp8 latency cpu aot-inductor"
-
-
-def track(index: Index, head: str) -> None:
-    with index.sessions() as s:
-        s.add(TrackedModel(name=MODEL, checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
-                           head_sha=head, matrix=[], gates={}, created_at=utcnow(), updated_at=utcnow()))
-        s.commit()
 
 
 def publish_in_order(index: Index, *engines) -> list[Artifact]:
