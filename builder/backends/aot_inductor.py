@@ -39,6 +39,19 @@ def compute_dtype(target: str, config: dict) -> torch.dtype:
     return CUDA_COMPUTE.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
 
 
+def release_export_graph() -> None:
+    """Let go of the graph the last non-strict ``torch.export`` traced. torch keeps its nodes in a module-level map
+    (``proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT``, for its fake-tensor leak check) until the next
+    export; a node holds its graph and the graph its ``GraphModule``, which holds the traced model's real
+    parameters — one float32 copy of the engine's weights (98 MiB at 30 M parameters, 4.6 GiB at 1 B) kept alive
+    through validation. Clearing the map is what the next export does first."""
+    from torch.fx.experimental import proxy_tensor
+
+    leaked = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+    if isinstance(leaked, dict):
+        leaked.clear()
+
+
 def _dims(spec: BuildSpec):
     from torch.export import Dim
 
@@ -93,6 +106,8 @@ class AOTInductorBackend(Backend):
                 torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / "model.pt2"))
         except Exception as exc:
             raise StageFailed(f"AOTInductor compile failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            release_export_graph()
         t3 = time.perf_counter()
         for name in TOKENIZER_FILES + ("config.json", "hf_quant_config.json", "generation_config.json"):
             if (quantized_dir / "hf" / name).exists():

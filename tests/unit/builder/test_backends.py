@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -239,6 +240,46 @@ def test_aot_inductor_refuses_a_profile_longer_than_the_model(nvfp4_export, tmp_
     with pytest.raises(StageFailed, match="1024"):
         AOTInductorBackend().compile(s, nvfp4_export, tmp_path / "c", checkpoint_dir=TINY)
     assert not (tmp_path / "c").exists()
+
+
+def test_aot_inductor_compile_leaves_none_of_the_traced_models_weights_alive(nvfp4_export, tmp_path, monkeypatch):
+    """torch keeps the last non-strict export's graph — a ``GraphModule`` holding the traced model's float32
+    weights as its parameters — in a module-level map until the next export: the compile stage lets go of it, or
+    validation would carry one more copy of the engine's weights. The export and AOTInductor's lowering are real
+    (the lowering's trace is what torch keeps), of the NVFP4 export cut to its first layer (a quarter of the
+    lowering's time); the C++ compile after them is made to fail, so the test takes no compiler time and checks
+    the failure path's release too."""
+    import gc
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from torch._inductor.codecache import AotCodeCompiler
+
+    def parameters():
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)]
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("stopped before the C++ compile")
+
+    one = tmp_path / "q" / "hf"
+    shutil.copytree(nvfp4_export / "hf", one)
+    config = json.loads((one / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (one / "config.json").write_text(json.dumps(config))
+    for f in one.glob("*.safetensors"):
+        save_file({k: v for k, v in load_file(f).items() if not re.match(r"model\.layers\.[1-9]", k)}, f)
+    monkeypatch.setattr(AotCodeCompiler, "compile", fail)
+    before = parameters()  # held, so no new parameter can take one of their ids
+    s = spec(backend="aot-inductor", target="cpu", precision="nvfp4")
+    try:
+        AOTInductorBackend().compile(s, tmp_path / "q", tmp_path / "c", checkpoint_dir=TINY)
+    except StageFailed as exc:
+        assert "stopped before the C++ compile" in exc.message
+    else:
+        raise AssertionError("the compile did not fail")
+    known = {id(p) for p in before}
+    assert [tuple(p.shape) for p in parameters() if id(p) not in known] == []
 
 
 # -- checkpoint ------------------------------------------------------------------------------------
