@@ -121,7 +121,7 @@ def compile(hf: Path, engine_dir: Path, profile, *, mem: Memory) -> None:  # noq
     import torch
     from torch.export import Dim
 
-    from builder.backends.aot_inductor import compute_dtype
+    from builder.backends.aot_inductor import compute_dtype, release_export_graph
     from kiln.hfmodel import LogitsOnly, load_engine_model
 
     # the stage's choice of compute dtype (float32 for the cpu target), then the same call
@@ -139,10 +139,9 @@ def compile(hf: Path, engine_dir: Path, profile, *, mem: Memory) -> None:  # noq
         engine_dir.mkdir(parents=True)
         torch._inductor.aoti_compile_and_package(exported, package_path=str(engine_dir / "model.pt2"))
     # torch keeps the last export trace (with the model's float32 weights) alive until the next export; the stage
-    # lets go of it (builder/backends/aot_inductor.py release_export_graph), and so does raw, so that both carry
-    # the same memory into validation (at 1b that copy is ~4.6 GiB of 23.5 GiB). Clearing a dict costs no time.
-    from torch.fx.experimental import proxy_tensor
-    proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT.clear()
+    # lets go of it, and so does raw, so that both carry the same memory into validation (at 1b that copy is
+    # ~4.6 GiB of 23.5 GiB). Clearing a dict costs no time.
+    release_export_graph()
     for name in ENGINE_FILES:
         if (hf / name).exists():
             shutil.copy2(hf / name, engine_dir / name)
