@@ -83,6 +83,14 @@ def _parse_gates(values: tuple[str, ...]) -> dict[str, float]:
     return gates
 
 
+def _parse_layers(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SpecError(f"{text!r} is not a list of layer indices", field="unquantized_layers",
+                        fix="give comma-separated integers, e.g. 0,-1") from None
+
+
 def spec_from_options(checkpoint: str, o: dict) -> dict:
     """The BuildSpec dict that the options describe (explicit limits override the named profile's)."""
     from kiln.spec import PROFILES
@@ -100,6 +108,10 @@ def spec_from_options(checkpoint: str, o: dict) -> dict:
             "target": o["target"], "backend": o["backend"], "tp_size": o["tp"], "gates": _parse_gates(o["gate"]),
             "calibration": {"dataset": o["calib_dataset"], "samples": o["calib_samples"], "seq_len": o["calib_seq_len"]},
             "evaluation": {"dataset": o["eval_dataset"], "seq_len": o["eval_seq_len"], "max_tokens": o["eval_max_tokens"]}}
+    if o.get("recipe"):
+        spec["recipe"] = o["recipe"]
+    if o.get("unquantized_layers"):
+        spec["unquantized_layers"] = _parse_layers(o["unquantized_layers"])
     if o.get("model_name"):
         spec["model_name"] = o["model_name"]
     if o.get("override_reason"):
@@ -156,14 +168,35 @@ def _print_summary(out: dict) -> None:
         for g in v.get("gates", []):
             op = "≤" if g["name"].startswith("max_") else "≥"
             click.echo(f"  gate {g['name']:<22} {g['value']:>12.4f} {op} {g['threshold']:<10g} {'pass' if g['passed'] else 'FAIL'}")
+    _print_recipe(v.get("recipe") or {})
     a = out.get("artifact") or {}
     if out.get("digest"):
         click.echo(f"engine {out['digest']}  {a.get('repository')}:{a.get('tag')}  [{a.get('status')}]")
 
 
+def _print_recipe(recipe: dict) -> None:
+    """The recipe built, and with ``--recipe auto`` every rung the ladder tried (its accuracy screen)."""
+    if not recipe:
+        return
+    rungs = recipe.get("ladder")
+    click.echo(f"recipe {recipe.get('built')}" + (f" (chosen by the {recipe.get('requested')} ladder)" if rungs else ""))
+    for r in rungs or []:
+        m = r.get("metrics") or {}
+        failed = [g["name"] for g in r.get("gates", []) if not g["passed"]]
+        secs = r.get("seconds") or {}
+        click.echo(f"  rung {r['recipe']:<15} ppl {m.get('ppl_increase_pct', float('nan')):+7.2f}%  "
+                   f"top-1 {m.get('top1_agreement', float('nan')) * 100:5.1f}%  KL {m.get('mean_kl', float('nan')):.4f}  "
+                   f"{'pass' if r.get('passed') else 'FAIL ' + ', '.join(failed)}  "
+                   f"({secs.get('quantize', 0):.1f}s quantize, {secs.get('screen', 0):.1f}s screen)")
+
+
 @main.command()
 @click.argument("checkpoint")
 @click.option("--precision", default="fp8", show_default=True, help="fp8 | nvfp4")
+@click.option("--recipe", help="quantization recipe of the precision, or auto (its ladder); default: the "
+              "precision's (auto). kiln models lists them")
+@click.option("--unquantized-layers", help="decoder layers kept unquantized, comma-separated indices (0,-1: the "
+              "first and the last)")
 @click.option("--kv-cache", default="none", show_default=True, help="none | fp8")
 @click.option("--profile", default="latency", show_default=True, help="latency | balanced | throughput")
 @click.option("--max-batch-size", type=int)

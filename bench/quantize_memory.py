@@ -43,7 +43,7 @@ def child(mode: str, ckpt: Path, out: Path) -> dict:
     from validation.measure import _proc_status
 
     text = raw_build.read_text("calibration.txt")
-    spec = parse_spec({"checkpoint": str(ckpt), "precision": "fp8",
+    spec = parse_spec({"checkpoint": str(ckpt), "precision": "fp8", "recipe": "fp8",
                        "calibration": {"samples": 8, "seq_len": 64}}, [ckpt.parent])
     mem = raw_build.Memory() if mode == "raw" else None  # resets VmHWM
     before = _proc_status()["VmRSS"]

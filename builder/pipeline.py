@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import kiln
 from artifacts.interfaces import BlobStore
 from artifacts.oci import survey_engine_layer
+from builder import ladder as ladder_stage
 from builder import quantize as quantize_stage
 from builder.backends import get_backend
 from builder.leases import BlobLeases, LeasedStore
@@ -28,12 +29,13 @@ from kiln.datasets import load_text
 from kiln.errors import BuildCancelled, KilnError
 from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, request_key
 from kiln.models import Artifact
+from kiln.recipes import AUTO
 from kiln.settings import Settings
 from kiln.spec import BuildSpec, check_model
 from kiln.toolchain import toolchain_for
 from validation.gates import effective_gates
 from validation.runners import open_engine, open_reference
-from validation.validate import previous_engine, validate
+from validation.validate import eval_tokens, previous_engine, validate
 
 STAGES = ("resolve", "quantize", "compile", "validate", "publish")
 Event = Callable[[str, dict], None]
@@ -62,7 +64,8 @@ class BuildOutcome:
                 "cache_hit": self.cache_hit,
                 "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3)} for s in self.stages],
                 "validation": {"passed": self.validation.get("passed"), "metrics": self.validation.get("metrics", {}),
-                               "gates": self.validation.get("gates", [])},
+                               "gates": self.validation.get("gates", []),
+                               "recipe": self.validation.get("recipe")},
                 "artifact": self.artifact}
 
 
@@ -144,6 +147,8 @@ class Builder:
                        "quantize": self.stage_cache.where("quantize", p.quantize_key) is not None,
                        "compile": self.stage_cache.where("compile", p.compile_key) is not None},
             "compile": get_backend(p.spec.backend).plan(p.spec, qdir, cdir), "environment": environment,
+            "recipe": p.spec.recipe_name,
+            **({"ladder": ladder_stage.rungs_for(p.spec)} if p.spec.recipe_name == AUTO else {}),
         }
 
     # -- running ---------------------------------------------------------------------------------
@@ -169,22 +174,32 @@ class Builder:
         backend = get_backend(spec.backend)
         self._check_cancel()
         p.resolved = materialize_checkpoint(p.resolved, **self._checkpoint_args())  # the download, bounded
-        qdir, rec = self._stage("quantize", lambda: self.stage_cache.get(
-            "quantize", p.quantize_key,
-            lambda out: quantize_stage.quantize(p.resolved.local_dir, spec, p.calib_text, out)), stages)
+        reference, rungs, built, ckey = None, None, spec, p.compile_key
+        if spec.recipe_name == AUTO:  # the ladder: one quantize per rung tried, one compile
+            reference = open_reference(p.resolved.local_dir)
+            (chosen, tried), _ = self._stage("quantize", lambda: self._climb(p, reference), stages)
+            qdir, built, rungs = chosen.quantized, spec.with_recipe(chosen.recipe), [r.record() for r in tried]
+            ckey = compile_key(chosen.quantize_key, built, p.toolchain)
+        else:
+            qdir, rec = self._stage("quantize", lambda: self.stage_cache.get(
+                "quantize", p.quantize_key,
+                lambda out: quantize_stage.quantize(p.resolved.local_dir, spec, p.calib_text, out)), stages)
         self._check_cancel()
         cdir, _ = self._stage("compile", lambda: self.stage_cache.get(
-            "compile", p.compile_key,
-            lambda out: backend.compile(spec, qdir, out, checkpoint_dir=p.resolved.local_dir)), stages)
+            "compile", ckey,
+            lambda out: backend.compile(built, qdir, out, checkpoint_dir=p.resolved.local_dir)), stages)
         self._check_cancel()
         with ThreadPoolExecutor(1, thread_name_prefix="kiln-layer-survey") as ahead:
             # publishing's first read of the engine layer (its digest), made beside validation's accuracy pass
             survey = ahead.submit(survey_engine_layer, self.store, cdir)
             report, _ = self._stage("validate", lambda: (validate(
-                open_engine(spec.backend, cdir), open_reference(p.resolved.local_dir), p.resolved.local_dir,
-                p.eval_text, spec, p.gates, int(p.model_config["vocab_size"]),
+                open_engine(spec.backend, cdir), reference or open_reference(p.resolved.local_dir),
+                p.resolved.local_dir, p.eval_text, built, p.gates, int(p.model_config["vocab_size"]),
                 previous=previous_engine(self.sessions, spec, p.build_key, p.data), engine_source=(spec.backend, cdir),
                 before_timing=survey.exception), {}), stages)
+        del reference
+        report["recipe"] = {"requested": spec.recipe_name, "built": built.recipe_name,
+                            **({"ladder": rungs} if rungs is not None else {})}
         layer_survey = None if survey.exception() else survey.result()  # publish reads afresh and reports it
         self._check_cancel()
         provenance = {
@@ -192,12 +207,29 @@ class Builder:
             "recipe": RECIPE_VERSION, "spec": spec.model_dump(), "build_key": p.build_key,
             "quantize_key": p.quantize_key, "compile_key": p.compile_key, "checkpoint": p.resolved.provenance(),
             "toolchain": p.toolchain, "gates": p.gates, "data": p.data,
-            "stages": [asdict(s) for s in stages],
+            "quantization": report["recipe"], "stages": [asdict(s) for s in stages],
         }
         row, _ = self._stage("publish", lambda: (publish(
-            self.store, self.sessions, cdir, spec=spec, build_key=p.build_key, request_key=p.request_key,
+            self.store, self.sessions, cdir, spec=built, build_key=p.build_key, request_key=p.request_key,
             provenance=provenance, validation=report, layer_survey=layer_survey), {}), stages)
         return self._outcome(p.build_key, row, stages, cache_hit=False)
+
+    def _climb(self, p: Prepared, reference) -> tuple[tuple, dict]:
+        """The ladder's rungs in turn (builder/ladder.py); returns ((chosen, tried), the stage's record)."""
+        ids, seq = eval_tokens(p.resolved.local_dir, p.eval_text, p.spec)
+        batch = min(p.spec.batch_profile.max_batch_size, 16)
+
+        def quantize(rung: BuildSpec):
+            self._check_cancel()
+            key = quantize_key(p.resolved.digest, rung, p.toolchain, p.data["calibration"])
+            t = time.perf_counter()
+            qdir, _ = self.stage_cache.get("quantize", key, lambda out: quantize_stage.quantize(
+                p.resolved.local_dir, rung, p.calib_text, out))
+            return key, qdir, time.perf_counter() - t
+
+        chosen, tried = ladder_stage.climb(p.spec, p.gates, reference, ids, seq, batch, quantize,
+                                           on_rung=lambda r: self.on_event("rung", r))
+        return (chosen, tried), {"ladder": [r.record() for r in tried], "chosen": chosen.recipe}
 
     # -- helpers ---------------------------------------------------------------------------------
     def _checkpoint_args(self) -> dict:

@@ -24,7 +24,7 @@ import torch
 
 from kiln.errors import SpecError, StageFailed
 from kiln.families import family_of
-from kiln.precisions import get_precision
+from kiln.recipes import AUTO, RECIPES
 from kiln.spec import BuildSpec
 
 log = logging.getLogger(__name__)
@@ -45,16 +45,28 @@ def preload() -> None:
         log.info("not preloading the quantizer: %s", exc)
 
 
-def quant_config(precision: str, kv_cache: str) -> dict:
+def _add_rules(cfg: dict, rules: list[dict]) -> None:
+    """Append ``rules`` ([{quantizer_name, enable | cfg}], later rules win) to a ModelOpt config."""
+    if isinstance(cfg["quant_cfg"], list):  # ModelOpt ≥ 0.4x: an ordered list of rules
+        cfg["quant_cfg"] = cfg["quant_cfg"] + rules
+    else:  # older releases: a dict of patterns
+        for rule in rules:
+            rule = dict(rule)
+            cfg["quant_cfg"][rule.pop("quantizer_name")] = rule.get("cfg", {"enable": rule.get("enable")})
+
+
+def quant_config(recipe: str, kv_cache: str, unquantized_layers: tuple[int, ...] = (), num_layers: int = 0) -> dict:
+    """The recipe's ModelOpt config, with the FP8 KV-cache rules and the layers kept unquantized added."""
     import modelopt.torch.quantization as mtq
 
-    cfg = copy.deepcopy(getattr(mtq, get_precision(precision).modelopt_config))
+    cfg = copy.deepcopy(getattr(mtq, RECIPES[recipe].modelopt_config))
     if kv_cache == "fp8":
-        kv_rules = copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
-        if isinstance(cfg["quant_cfg"], list):  # ModelOpt ≥ 0.4x: an ordered list of rules
-            cfg["quant_cfg"] = cfg["quant_cfg"] + list(kv_rules)
-        else:  # older releases: a dict of patterns
-            cfg["quant_cfg"].update(kv_rules)
+        kv = copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
+        _add_rules(cfg, list(kv) if isinstance(kv, list) else [{"quantizer_name": k, "cfg": v} for k, v in kv.items()])
+    if unquantized_layers:
+        # "*layers.1.*" matches layer 1's quantizers and not layer 11's: the index ends at a dot
+        _add_rules(cfg, [{"quantizer_name": f"*layers.{i % num_layers}.*", "enable": False}
+                         for i in sorted({i % num_layers for i in unquantized_layers})])
     return cfg
 
 
@@ -106,6 +118,9 @@ def quantize(checkpoint_dir: Path, spec: BuildSpec, calib_text: str, out_dir: Pa
     from modelopt.torch.export import export_hf_checkpoint
     from transformers import AutoTokenizer
 
+    recipe = spec.recipe_name
+    if recipe == AUTO:
+        raise StageFailed("quantize takes one recipe; --recipe auto is run by builder/ladder.py, a rung at a time")
     device = _device(spec)
     config = json.loads((checkpoint_dir / "config.json").read_text())
     family = family_of(config)
@@ -124,7 +139,8 @@ def quantize(checkpoint_dir: Path, spec: BuildSpec, calib_text: str, out_dir: Pa
     with warnings.catch_warnings(), contextlib.redirect_stdout(library_log):
         warnings.simplefilter("ignore")
         try:
-            model = mtq.quantize(model, quant_config(spec.precision, spec.kv_cache), forward_loop)
+            cfg = quant_config(recipe, spec.kv_cache, spec.unquantized_layers, int(config.get("num_hidden_layers") or 1))
+            model = mtq.quantize(model, cfg, forward_loop)
         except Exception as exc:  # ModelOpt raises many types; the message is what a user needs
             raise StageFailed(f"ModelOpt calibration failed: {type(exc).__name__}: {exc}") from exc
         t2 = time.perf_counter()
@@ -143,7 +159,9 @@ def quantize(checkpoint_dir: Path, spec: BuildSpec, calib_text: str, out_dir: Pa
     t3 = time.perf_counter()
     hf_quant = out_dir / "hf" / "hf_quant_config.json"
     record = {
-        "precision": spec.precision, "kv_cache": spec.kv_cache, "device": device, "family": family.name,
+        "precision": spec.precision, "recipe": recipe, "modelopt_config": RECIPES[recipe].modelopt_config,
+        "unquantized_layers": list(spec.unquantized_layers), "kv_cache": spec.kv_cache, "device": device,
+        "family": family.name,
         "calibration": {**spec.calibration.model_dump(), "tokens": int(batches.numel())},
         "quantized_linears": quantized, "exports": ["hf"],
         "seconds": {"load": round(t1 - t0, 3), "calibrate": round(t2 - t1, 3), "export": round(t3 - t2, 3)},

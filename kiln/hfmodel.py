@@ -60,16 +60,22 @@ def _config(ckpt: ExportedCheckpoint):
 
 
 def _quantize_inputs(model: nn.Module, ckpt: ExportedCheckpoint) -> dict:
-    """Register the activation fake-quantizers; returns what was emulated."""
-    precision = ckpt.precision
-    if precision is None:
+    """Register the activation fake-quantizers; returns what was emulated. A static format quantizes each linear's
+    input with its exported ``input_scale``; a dynamic one every quantized linear's input per token; a weight-only
+    one nothing."""
+    fmt = ckpt.format
+    if fmt is None:
         return {"activations": "none (unquantized checkpoint)"}
+    if fmt.activations == "none":
+        return {"activations": f"none ({fmt.quant_algo} is weight-only)"}
+    scales: dict[str, float | None] = (dict(ckpt.input_scales) if fmt.activations == "static"
+                                       else dict.fromkeys(ckpt.quantized))
     modules = dict(model.named_modules())
     hooked, experts, missing = 0, {}, []
-    for name, scale in ckpt.input_scales.items():
+    for name, scale in scales.items():
         target = modules.get(name)
         if isinstance(target, nn.Linear):
-            _hook(target, precision.fake_quant, scale)
+            _hook(target, fmt.fake_quant, scale)
             hooked += 1
             continue
         m = EXPERT_INPUT.match(name)
@@ -81,24 +87,30 @@ def _quantize_inputs(model: nn.Module, ckpt: ExportedCheckpoint) -> dict:
         if fused is None:
             missing.append(name)
         elif m["proj"] in ("w1", "w3", "gate_proj", "up_proj"):
-            experts[fused] = max(experts.get(fused, 0.0), scale)
+            experts[fused] = None if scale is None else max(experts.get(fused) or 0.0, scale)
     if missing:
-        raise StageFailed(f"{len(missing)} activation scales name no module of the model (e.g. {missing[0]})")
+        raise StageFailed(f"{len(missing)} quantized inputs name no module of the model (e.g. {missing[0]})")
     for fused, scale in experts.items():
-        _hook(modules[fused], precision.fake_quant, scale)
-    out = {"activations": f"{precision.name} emulated on {hooked} linears from their exported input_scale"}
+        _hook(modules[fused], fmt.fake_quant, scale)
+    how = "from their exported input_scale" if fmt.activations == "static" else "per token (dynamic scales)"
+    out = {"activations": f"{fmt.precision} emulated on {hooked} linears {how}"}
     if experts:
-        out["experts"] = (f"{len(experts)} fused expert blocks take their input quantized with the largest expert "
-                          "gate/up input_scale; expert down projections are not activation-quantized")
+        out["experts"] = (f"{len(experts)} fused expert blocks take their input quantized "
+                          + ("with the largest expert gate/up input_scale" if fmt.activations == "static"
+                             else "per token") + "; expert down projections are not activation-quantized")
     return out
 
 
-def _hook(module: nn.Module, fake_quant, scale: float) -> None:
-    if not scale > 0:
+def _hook(module: nn.Module, fake_quant, scale: float | None) -> None:
+    """``scale`` None: a dynamic quantizer (``fake_quant(x)``); else a static one, skipped for a zero scale."""
+    if scale is None:
+        def pre(_, args):
+            return (fake_quant(args[0]), *args[1:])
+    elif not scale > 0:
         return
-
-    def pre(_, args):
-        return (fake_quant(args[0], scale), *args[1:])
+    else:
+        def pre(_, args):
+            return (fake_quant(args[0], scale), *args[1:])
 
     module.register_forward_pre_hook(pre)
 

@@ -22,13 +22,16 @@ from kiln.spec import BuildSpec
 #    are transformers' model of the family.
 # 3: aot-inductor GPU engines compute in the checkpoint's dtype (bf16 for bf16 checkpoints), activation fake-quant in
 #    float32.
-RECIPE_VERSION = "kiln-recipe-3"
+# 4: a spec names its quantization recipe (kiln/recipes.py) and the layers it keeps unquantized; ``auto`` runs its
+#    precision's ladder; the cpu target's compute dtype follows the build CPU's native bf16 support.
+RECIPE_VERSION = "kiln-recipe-4"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str) -> str:
     return sha256_json({
         "stage": "quantize", "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest,
-        "precision": spec.precision, "kv_cache": spec.kv_cache,
+        "precision": spec.precision, "recipe": spec.recipe_name, "unquantized_layers": list(spec.unquantized_layers),
+        "kv_cache": spec.kv_cache,
         "calibration": spec.calibration.model_dump(exclude={"dataset"}), "calibration_data": calibration_data,
         "toolchain": {k: toolchain.get(k) for k in ("torch", "modelopt", "transformers")},
     })

@@ -1,13 +1,20 @@
-"""Precisions: one descriptor per quantization format Kiln builds, owning everything that differs between them —
-ModelOpt's config, the name the exported checkpoint gives it (``quant_algo``), the GPU architectures its engines
-need, its default accuracy gates, how its exported weights are dequantized and how its activation quantization is
-emulated. Nothing outside this module compares precision names.
+"""Precisions and their exported formats.
 
-Formats, as ModelOpt 0.47 exports them (checked on CPU, see DESIGN.md):
-- FP8: ``weight`` float8_e4m3fn, ``weight_scale`` fp32 (per tensor), ``input_scale`` fp32. value = w × scale.
-- NVFP4: ``weight`` uint8 with two e2m1 values per byte, the LOW nibble holding the first element;
+A **precision** (the spec's ``precision``: fp8, nvfp4) owns what is common to its recipes: the GPU architectures
+its engines need, its default accuracy gates, its default recipe and its ladder (``--recipe auto``: the recipes
+tried in order, fastest to serve first; kiln/recipes.py holds the recipes themselves). A **format** is what an
+exported checkpoint's ``quant_algo`` names: how its weights are dequantized and how its activation quantization
+is emulated. Nothing outside this module compares precision or format names.
+
+Formats, as ModelOpt 0.47 exports them (checked on CPU, docs/validation.md "Recipes"):
+- ``FP8``: ``weight`` float8_e4m3fn, ``weight_scale`` fp32 (one per tensor), ``input_scale`` fp32 (static, per
+  tensor). value = w × scale.
+- ``FP8_PER_CHANNEL_PER_TOKEN``: ``weight`` float8_e4m3fn, ``weight_scale`` fp32 [out_features] (one per output
+  channel); no ``input_scale``: activations are quantized per token at run time (scale = the token's amax / 448).
+- ``NVFP4``: ``weight`` uint8 with two e2m1 values per byte, the LOW nibble holding the first element;
   ``weight_scale`` float8_e4m3fn, one per 16 inputs; ``weight_scale_2`` fp32 global (amax / (6 × 448));
   ``input_scale`` fp32 global for activations. value = e2m1 × weight_scale × weight_scale_2.
+- ``W4A16_NVFP4``: NVFP4 weights as above, no ``input_scale``: activations stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -24,16 +31,29 @@ FP8_MAX = 448.0
 
 # -- FP8 ---------------------------------------------------------------------------------------------
 def dequantize_fp8(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor | None:
+    """Per tensor (a scalar scale) or per output channel (``[out_features]``): each row times its scale."""
     w = raw[f"{module}.weight"]
     if w.dtype != torch.float8_e4m3fn:
         return None
-    return w.float() * raw[f"{module}.weight_scale"].float()
+    return w.float() * raw[f"{module}.weight_scale"].float().reshape(-1, 1)
 
 
 def fake_quant_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Quantize-dequantize with a per-tensor scale, computed in float32 whatever ``x``'s dtype (a bf16 engine's
     activations round as the exported scale says, not as bf16's 8-bit mantissa would), returned in ``x``'s dtype."""
     y = x.float()
+    return ((y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)
+
+
+#: the smallest per-token scale: an all-zero token stays zero instead of dividing by zero
+MIN_TOKEN_SCALE = 1e-12
+
+
+def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token FP8: each token (the last axis) scaled by its own amax / 448, computed in float32 as
+    :func:`fake_quant_fp8`, returned in ``x``'s dtype."""
+    y = x.float()
+    scale = (y.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_TOKEN_SCALE)
     return ((y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)
 
 
@@ -91,38 +111,54 @@ def fake_quant_nvfp4(x: torch.Tensor, global_scale: float) -> torch.Tensor:
 @dataclass(frozen=True)
 class Precision:
     name: str  # the spec's value
-    quant_algo: str  # what the exported checkpoint's quantization block calls it
     title: str
-    modelopt_config: str  # attribute of modelopt.torch.quantization
     #: lowest SM whose tensor cores run it at all (FP8: Ada); a TensorRT-LLM engine may need more
     min_sm: int
     min_sm_trtllm_engine: int
-    gates: dict[str, float]  # default accuracy and speed gates
-    #: module name, raw exported tensors → the dequantized float32 weight, or None when the tensor is not in
-    #: this format (ModelOpt leaves embeddings, lm_head and MoE routers unquantized)
-    dequantize: Callable[[dict[str, torch.Tensor], str], torch.Tensor | None]
-    fake_quant: Callable[[torch.Tensor, float], torch.Tensor]  # activations, from the exported input_scale
-    #: the tensors next to a quantized weight that this format consumes
-    scale_suffixes: tuple[str, ...] = field(default=())
+    gates: dict[str, float]  # default accuracy and speed gates (docs/validation.md says why each is what it is)
+    #: what ``--recipe auto`` tries, in order (kiln/recipes.py): the fastest to serve first, the most accurate last
+    ladder: tuple[str, ...]
+    default_recipe: str = "auto"  # a spec without ``recipe``
     #: a dimension every quantized activation's last axis must divide by (NVFP4: its 16-element blocks)
     block: int = 1
 
 
+@dataclass(frozen=True)
+class QuantFormat:
+    """What an exported checkpoint's ``quant_algo`` means to a reader."""
+
+    quant_algo: str
+    precision: str
+    #: module name, raw exported tensors → the dequantized float32 weight, or None when the tensor is not in
+    #: this format (ModelOpt leaves embeddings, lm_head, MoE routers and excluded layers unquantized)
+    dequantize: Callable[[dict[str, torch.Tensor], str], torch.Tensor | None]
+    #: "static": one exported ``input_scale`` per linear; "dynamic": per token at run time; "none": weight-only
+    activations: str
+    #: static: (x, input_scale) → x quantize-dequantized; dynamic: (x) → the same; none: unused
+    fake_quant: Callable[..., torch.Tensor] | None
+    #: the tensors next to a quantized weight that this format consumes
+    scale_suffixes: tuple[str, ...] = field(default=())
+
+
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp8", "FP8", "FP8 (e4m3) weights and activations, per-tensor scales", "FP8_DEFAULT_CFG",
-              min_sm=89, min_sm_trtllm_engine=89,
-              gates={"max_ppl_increase_pct": 3.0, "min_top1_agreement": 0.85, "max_mean_kl": 0.05,
+    Precision("fp8", "FP8 (e4m3) weights and activations", min_sm=89, min_sm_trtllm_engine=89,
+              gates={"max_ppl_increase_pct": 3.0, "min_top1_agreement": 0.85, "max_mean_kl": 0.08,
                      "min_throughput_tps": 1.0},
-              dequantize=dequantize_fp8, fake_quant=fake_quant_fp8,
-              scale_suffixes=("weight_scale", "input_scale")),
-    Precision("nvfp4", "NVFP4", "NVFP4 (e2m1) weights and activations, FP8 scales per 16 values", "NVFP4_DEFAULT_CFG",
-              min_sm=89, min_sm_trtllm_engine=100,
+              ladder=("fp8", "fp8-pcpt")),
+    Precision("nvfp4", "NVFP4 (e2m1) weights, FP8 scales per 16 values", min_sm=89, min_sm_trtllm_engine=100,
               gates={"max_ppl_increase_pct": 15.0, "min_top1_agreement": 0.70, "max_mean_kl": 0.25,
                      "min_throughput_tps": 1.0},
-              dequantize=dequantize_nvfp4, fake_quant=fake_quant_nvfp4,
-              scale_suffixes=("weight_scale", "weight_scale_2", "input_scale"), block=NVFP4_GROUP),
+              ladder=("nvfp4", "nvfp4-mlp-only", "nvfp4-w4a16"), block=NVFP4_GROUP),
 )}
-BY_QUANT_ALGO: dict[str, Precision] = {p.quant_algo: p for p in PRECISIONS.values()}
+
+FORMATS: dict[str, QuantFormat] = {f.quant_algo: f for f in (
+    QuantFormat("FP8", "fp8", dequantize_fp8, "static", fake_quant_fp8, ("weight_scale", "input_scale")),
+    QuantFormat("FP8_PER_CHANNEL_PER_TOKEN", "fp8", dequantize_fp8, "dynamic", fake_quant_fp8_per_token,
+                ("weight_scale",)),
+    QuantFormat("NVFP4", "nvfp4", dequantize_nvfp4, "static", fake_quant_nvfp4,
+                ("weight_scale", "weight_scale_2", "input_scale")),
+    QuantFormat("W4A16_NVFP4", "nvfp4", dequantize_nvfp4, "none", None, ("weight_scale", "weight_scale_2")),
+)}
 #: KV-cache scales ModelOpt writes beside the attention projections (FP8 KV cache); read by runtimes with a KV
 #: cache, consumed (not emulated) by Kiln's full-sequence engines
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "k_proj.output_scale", "v_proj.output_scale")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kiln.errors import StageFailed
-from kiln.precisions import BY_QUANT_ALGO, KV_SCALE_SUFFIXES, Precision
+from kiln.precisions import FORMATS, KV_SCALE_SUFFIXES, PRECISIONS, Precision, QuantFormat
 
 
 @dataclass
@@ -27,7 +27,7 @@ class ExportedCheckpoint:
     """A checkpoint as an engine built from it must compute it."""
 
     config: dict  # config.json without its quantization block
-    precision: Precision | None  # None: an unquantized checkpoint
+    format: QuantFormat | None  # None: an unquantized checkpoint
     kv_cache_quant_algo: str | None
     state: dict[str, torch.Tensor]  # checkpoint names → float32 (quantized weights dequantized)
     input_scales: dict[str, float] = field(default_factory=dict)  # linear module name → activation scale
@@ -36,7 +36,11 @@ class ExportedCheckpoint:
 
     @property
     def quant_algo(self) -> str | None:
-        return self.precision.quant_algo if self.precision else None
+        return self.format.quant_algo if self.format else None
+
+    @property
+    def precision(self) -> Precision | None:
+        return PRECISIONS[self.format.precision] if self.format else None
 
 
 def quantization_block(directory: Path, config: dict) -> dict:
@@ -78,19 +82,19 @@ def load_exported(directory: Path) -> ExportedCheckpoint:
     config = json.loads((directory / "config.json").read_text())
     block = quantization_block(directory, config)
     algo = block.get("quant_algo")
-    if algo is not None and algo not in BY_QUANT_ALGO:
-        raise StageFailed(f"quant_algo {algo!r} is not one Kiln reads ({', '.join(BY_QUANT_ALGO)})")
-    precision = BY_QUANT_ALGO.get(algo) if algo else None
+    if algo is not None and algo not in FORMATS:
+        raise StageFailed(f"quant_algo {algo!r} is not one Kiln reads ({', '.join(FORMATS)})")
+    fmt = FORMATS.get(algo) if algo else None
     raw = load_raw(directory)
-    scale_suffixes = precision.scale_suffixes if precision else ()
+    scale_suffixes = fmt.scale_suffixes if fmt else ()
     state: dict[str, torch.Tensor] = {}
-    ckpt = ExportedCheckpoint({k: v for k, v in config.items() if k != "quantization_config"}, precision,
+    ckpt = ExportedCheckpoint({k: v for k, v in config.items() if k != "quantization_config"}, fmt,
                               block.get("kv_cache_quant_algo"), state)
     consumed: set[str] = set()
     for name, tensor in raw.items():
         module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and precision is not None:
-            value = precision.dequantize(raw, module)
+        if leaf == "weight" and fmt is not None:
+            value = fmt.dequantize(raw, module)
             if value is not None:
                 state[name] = value
                 ckpt.quantized.append(module)

@@ -15,6 +15,7 @@ from kiln.backends import BACKENDS
 from kiln.errors import SpecError
 from kiln.families import family_of
 from kiln.precisions import PRECISIONS
+from kiln.recipes import AUTO, RECIPES, ladder, recipes_for, resolved_recipe
 from kiln.refs import FIX as HF_FIX, hf_ref_problem
 
 KV_CACHES = ("none", "fp8")
@@ -80,6 +81,10 @@ class BuildSpec(BaseModel):
     checkpoint: str
     model_name: str | None = None
     precision: str
+    #: a recipe of the precision (kiln/recipes.py), ``auto`` (its ladder), or None for the precision's default
+    recipe: str | None = None
+    #: decoder layers kept in the model's dtype (indices; negative counts from the last), e.g. [0, -1]
+    unquantized_layers: tuple[int, ...] = ()
     kv_cache: str = "none"
     profile: BatchProfile | str = "latency"
     target: str = "cpu"
@@ -97,13 +102,25 @@ class BuildSpec(BaseModel):
         return self.profile
 
     @property
+    def recipe_name(self) -> str:
+        """The recipe this spec asks for: its own or its precision's default (``auto`` or a recipe's name)."""
+        return resolved_recipe(self.precision, self.recipe)
+
+    def with_recipe(self, name: str) -> "BuildSpec":
+        """This spec with a concrete recipe (a rung of its ladder)."""
+        return self.model_copy(update={"recipe": name})
+
+    @property
     def sm(self) -> int | None:
         return GPU_ARCHS.get(self.target)
 
     def key_fields(self) -> dict[str, Any]:
         """The spec's part of the BuildKey: everything but the checkpoint location and names."""
+        recipe = resolved_recipe(self.precision, self.recipe)
         return {
-            "precision": self.precision, "kv_cache": self.kv_cache, "profile": self.batch_profile.limits(),
+            "precision": self.precision, "recipe": recipe, "unquantized_layers": list(self.unquantized_layers),
+            **({"ladder": list(ladder(self.precision))} if recipe == AUTO else {}),
+            "kv_cache": self.kv_cache, "profile": self.batch_profile.limits(),
             "target": self.target, "backend": self.backend, "tp_size": self.tp_size,
             # datasets enter keys by content digest (passed separately), never by name or path
             "calibration": self.calibration.model_dump(exclude={"dataset"}),
@@ -239,6 +256,7 @@ def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
     if d["tp_size"] & (d["tp_size"] - 1):
         errs.append(_bad("tp_size", f"{d['tp_size']} is not a power of two", "use 1, 2, 4 or 8"))
     errs += _target_rules(d)
+    errs += _recipe_rules(d)
     for gname, value in d["gates"].items():
         if gname not in GATE_NAMES:
             errs.append(_bad(f"gates.{gname}", "unknown gate", f"use one of: {', '.join(GATE_NAMES)}"))
@@ -287,6 +305,46 @@ def looser_than(d: dict[str, Any], gates: dict[str, float], evaluation: dict[str
     return errs
 
 
+MAX_UNQUANTIZED_LAYERS = 64
+
+
+def _recipe_rules(d: dict[str, Any]) -> list[dict]:
+    """The recipe belongs to the precision, every backend of its ladder or itself builds it, and its calibration
+    can run where this target's builds run."""
+    if d["precision"] not in PRECISIONS:
+        return []  # already reported
+    errs, precision, name = [], d["precision"], d.get("recipe")
+    known = [r.name for r in recipes_for(precision)]
+    if name is not None and name != AUTO and name not in known:
+        other = RECIPES.get(name)
+        why = f"is a {other.precision} recipe" if other else "is not a recipe"
+        errs.append(_bad("recipe", f"{name!r} {why}; precision is {precision}",
+                         f"use one of: {', '.join(known + [AUTO])} (kiln models lists them)"))
+        return errs
+    chosen = resolved_recipe(precision, name)
+    rungs = ladder(precision) if chosen == AUTO else (chosen,)
+    for rung in rungs:
+        recipe = RECIPES[rung]
+        where = f"recipe {rung} (a rung of {precision}'s ladder)" if chosen == AUTO else f"recipe {rung}"
+        if d["backend"] in BACKENDS and d["backend"] not in recipe.backends:
+            if chosen == AUTO:
+                continue  # the ladder skips rungs this backend cannot build (builder/ladder.py)
+            errs.append(_bad("recipe", f"{where} cannot be built by the {d['backend']} backend",
+                             f"use --backend {' / '.join(recipe.backends)}, or another recipe"))
+        elif recipe.calibrate_on == "cuda" and d["target"] == "cpu":
+            errs.append(_bad("recipe", f"{where} calibrates on a CUDA GPU (ModelOpt needs one for it)",
+                             "use a GPU target, or another recipe"))
+    if chosen == AUTO and d["backend"] in BACKENDS and not any(d["backend"] in RECIPES[r].backends for r in rungs):
+        errs.append(_bad("recipe", f"no rung of {precision}'s ladder can be built by the {d['backend']} backend",
+                         "give --recipe with a recipe that backend builds, or another backend"))
+    layers = d.get("unquantized_layers") or ()
+    if len(layers) > MAX_UNQUANTIZED_LAYERS:
+        errs.append(_bad("unquantized_layers", f"{len(layers)} layers listed", f"list at most {MAX_UNQUANTIZED_LAYERS}"))
+    elif len(set(layers)) != len(layers):
+        errs.append(_bad("unquantized_layers", "lists a layer twice", "list each layer index once"))
+    return errs
+
+
 def _target_rules(d: dict[str, Any]) -> list[dict]:
     """The backend's and the precision's rules (their descriptors say what they need)."""
     if d["backend"] not in BACKENDS or d["precision"] not in PRECISIONS:
@@ -327,6 +385,11 @@ def check_model(spec: BuildSpec, config: dict) -> None:
         others = [b.name for b in BACKENDS.values() if b.family_gap(family) is None]
         raise SpecError(f"{family.title} is not supported by the {backend.name} backend: {gap}", field="checkpoint",
                         fix=f"use --backend {' or '.join(others)} for {family.title}")
+    layers = int(config.get("num_hidden_layers") or 0)
+    outside = [i for i in spec.unquantized_layers if not -layers <= i < layers]
+    if outside:
+        raise SpecError(f"layer {outside[0]} is not a decoder layer of this model ({layers} layers)",
+                        field="unquantized_layers", fix=f"use indices from 0 to {layers - 1} (or -{layers} to -1)")
     positions = int(config.get("max_position_embeddings") or 0)
     if positions and spec.batch_profile.max_seq_len > positions:
         raise SpecError(f"{spec.batch_profile.max_seq_len} exceeds the model's {positions} positions",

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from builder.backends.base import Backend
 from kiln.errors import SpecError, StageFailed, ToolchainMissing
-from kiln.precisions import get_precision
+from kiln.recipes import RECIPES
 from kiln.spec import BuildSpec
 from kiln.toolchain import detect_gpus, gpus_of, tensorrt_llm_version
 
@@ -118,7 +118,7 @@ def check_engine_config(config: dict, spec: BuildSpec) -> list[str]:
     problems = []
     pretrained, build = config.get("pretrained_config", {}) or {}, config.get("build_config", {}) or {}
     quant = pretrained.get("quantization", {}) or {}
-    want_algo = get_precision(spec.precision).quant_algo
+    want_algo = RECIPES[spec.recipe_name].quant_algo
     if quant.get("quant_algo") != want_algo:
         problems.append(f"quant_algo is {quant.get('quant_algo')!r}, spec asks {want_algo!r}")
     want_kv = "FP8" if spec.kv_cache == "fp8" else None
@@ -250,7 +250,7 @@ class TRTLLMBackend(Backend):
             "commands": [build_argv(spec, trtllm_checkpoint_dir(out_dir), out_dir)],
             "profile": p.model_dump(), "precision": spec.precision, "kv_cache": spec.kv_cache,
             "tp_size": spec.tp_size, "target": spec.target,
-            "quantization": {"quant_algo": get_precision(spec.precision).quant_algo,
+            "quantization": {"quant_algo": RECIPES[spec.recipe_name].quant_algo,
                              "kv_cache_quant_algo": "FP8" if spec.kv_cache == "fp8" else None},
             "plugins": dict(plugin_flags(spec)),
             "steps": [

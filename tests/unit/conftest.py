@@ -21,7 +21,7 @@ def quantized_export(tmp_path_factory: pytest.TempPathFactory, precision: str) -
 
     out = tmp_path_factory.getbasetemp() / "kiln-quantized" / precision
     if not (out / "quantize.json").is_file():
-        spec = parse_spec({"checkpoint": str(TINY), "precision": precision, "backend": "checkpoint",
+        spec = parse_spec({"checkpoint": str(TINY), "precision": precision, "recipe": precision, "backend": "checkpoint",
                            "calibration": CALIBRATION}, [REPO])
         text, _ = load_text(spec.calibration.dataset, field="calibration.dataset", roots=[REPO])
         quantize(TINY, spec, text, out)

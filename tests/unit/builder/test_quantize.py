@@ -84,7 +84,7 @@ def test_unsupported_model_type_is_refused_before_calibration(tmp_path):
     shutil.copytree(TINY, ckpt)
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
-    spec = parse_spec({"checkpoint": str(ckpt), "precision": "fp8"}, [tmp_path])
+    spec = parse_spec({"checkpoint": str(ckpt), "precision": "fp8", "recipe": "fp8"}, [tmp_path])
     with pytest.raises(SpecError) as info:
         quantize(ckpt, spec, "text", tmp_path / "out")
     assert info.value.field == "checkpoint" and "bert" in info.value.message
@@ -175,10 +175,80 @@ def test_quantize_record(fp8_export, nvfp4_export):
 
 
 def test_quantize_refuses_an_existing_output_dir(fp8_export, tmp_path):
-    spec = parse_spec({"checkpoint": str(TINY), "precision": "fp8", "calibration": {"samples": 1, "seq_len": 8}}, [REPO])
+    spec = parse_spec({"checkpoint": str(TINY), "precision": "fp8", "recipe": "fp8",
+                       "calibration": {"samples": 1, "seq_len": 8}}, [REPO])
     existing = tmp_path / "out"
     existing.mkdir()
     (existing / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError):
         quantize(TINY, spec, "word " * 200, existing)
     assert [p.name for p in existing.iterdir()] == ["keep.txt"]
+
+
+# -- recipes beyond the defaults: their exports, read back as ModelOpt computes them ------------------------
+def _quantize_recipe(tmp_path, recipe: str, **spec) -> Path:
+    from kiln.datasets import load_text
+    from kiln.recipes import RECIPES
+
+    s = parse_spec({"checkpoint": str(TINY), "precision": RECIPES[recipe].precision, "recipe": recipe,
+                    "calibration": {"samples": 4, "seq_len": 64}, **spec}, [REPO])
+    text, _ = load_text(s.calibration.dataset, field="calibration.dataset", roots=[REPO])
+    quantize(TINY, s, text, tmp_path / recipe)
+    return tmp_path / recipe
+
+
+def test_fp8_pcpt_engine_computes_what_modelopts_own_quantized_model_computes(tmp_path, tokenizer):
+    """Per-channel weight scales and per-token activation scales, read back from the export alone, give ModelOpt's
+    own fake-quantized forward (a per-tensor reading of either would not)."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from kiln.hfmodel import load_engine_model
+
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 12, return_tensors="pt")["input_ids"][:, :64]
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    model = mtq.quantize(model, quant_config("fp8-pcpt", "none"), lambda m: m(ids))
+    with torch.no_grad():
+        theirs = model(ids).logits
+    export_hf_checkpoint(model, export_dir=tmp_path / "hf")
+    built = load_engine_model(tmp_path / "hf")
+    assert "per token" in built.emulation["activations"]
+    with torch.no_grad():
+        ours = built.model(input_ids=ids, use_cache=False).logits
+    unquantized = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = unquantized(ids).logits
+    gap = (ours - theirs).abs().max().item()
+    assert gap < 0.1 * (plain - theirs).abs().max().item()  # far closer to ModelOpt than bf16 is
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_unquantized_layers_keep_their_weights_and_the_rest_is_quantized(tmp_path, reference_state):
+    out = _quantize_recipe(tmp_path, "fp8", unquantized_layers=[0, -1])
+    state = load_file(str(out / "hf" / "model.safetensors"))
+    record = json.loads((out / "quantize.json").read_text())
+    assert record["recipe"] == "fp8" and record["unquantized_layers"] == [0, -1]
+    for layer, kept in ((0, True), (1, False), (2, False), (3, True)):
+        for lin in LINEARS:
+            w = state[f"model.layers.{layer}.{lin}.weight"]
+            if kept:
+                assert w.dtype == torch.float32 and f"model.layers.{layer}.{lin}.input_scale" not in state
+                assert torch.equal(w, reference_state[f"model.layers.{layer}.{lin}.weight"])
+            else:
+                assert w.dtype == torch.float8_e4m3fn, (layer, lin)
+    from kiln.hfmodel import load_engine_model
+
+    built = load_engine_model(out / "hf")
+    assert len(built.checkpoint.quantized) == 2 * len(LINEARS)
+
+
+def test_w4a16_nvfp4_is_weight_only(tmp_path):
+    from kiln.hfmodel import load_engine_model
+
+    out = _quantize_recipe(tmp_path, "nvfp4-w4a16")
+    built = load_engine_model(out / "hf")
+    assert built.checkpoint.quant_algo == "W4A16_NVFP4" and built.checkpoint.input_scales == {}
+    assert "weight-only" in built.emulation["activations"]
+    assert all(not m._forward_pre_hooks for m in built.model.modules())  # no activation quantizer anywhere
+    assert len(built.checkpoint.quantized) == 4 * len(LINEARS)

@@ -177,3 +177,34 @@ def test_activation_fake_quant_rounds_in_float32_whatever_the_engines_dtype(dtyp
     assert torch.equal(out, fq(x.float(), scale).to(dtype))
     # and it is a quantizer: far fewer distinct values than the input has
     assert out.float().unique().numel() < x.float().unique().numel() / 4
+
+
+# -- per-channel weights, per-token activations, weight-only ------------------------------------------
+def test_dequantize_fp8_per_channel_scales_each_output_row():
+    w = torch.tensor([[1.0, -2.0], [4.0, 0.5]]).to(torch.float8_e4m3fn)
+    assert dequantize_fp8(w, torch.tensor([0.5, 2.0])).tolist() == [[0.5, -1.0], [8.0, 1.0]]
+
+
+def test_fake_quant_fp8_per_token_scales_each_token_by_its_own_amax():
+    from kiln.precisions import FP8_MAX, fake_quant_fp8, fake_quant_fp8_per_token
+
+    x = torch.tensor([[[1.0, -3.0, 0.3], [100.0, 7.0, -50.0], [0.0, 0.0, 0.0]]])
+    out = fake_quant_fp8_per_token(x)
+    for t in range(2):  # each row equals the static quantizer with that row's own scale, not a shared one
+        expected = fake_quant_fp8(x[0, t], float(x[0, t].abs().max()) / FP8_MAX)
+        assert torch.equal(out[0, t], expected)
+    assert out[0, 0, 1].item() == -3.0 and out[0, 1, 0].item() == 100.0  # each amax maps to 448 exactly
+    assert torch.equal(out[0, 2], torch.zeros(3))  # an all-zero token stays zero (no division by zero)
+
+
+@pytest.mark.parametrize("algo, activations", [("FP8_PER_CHANNEL_PER_TOKEN", "dynamic"), ("W4A16_NVFP4", "none")])
+def test_formats_without_input_scales_load(tmp_path, algo, activations):
+    if algo.startswith("FP8"):
+        state = {"m.weight": torch.ones(2, 16).to(torch.float8_e4m3fn), "m.weight_scale": torch.tensor([1.0, 3.0])}
+    else:
+        state = {"m.weight": torch.full((2, 8), 0x22, dtype=torch.uint8),  # every value 1.0
+                 "m.weight_scale": torch.ones(2, 1).to(torch.float8_e4m3fn), "m.weight_scale_2": torch.tensor(0.5)}
+    ckpt = load_exported(_write_checkpoint(tmp_path / "c", algo, state))
+    assert ckpt.format.activations == activations and ckpt.input_scales == {} and ckpt.quantized == ["m"]
+    expected = [[1.0] * 16, [3.0] * 16] if algo.startswith("FP8") else [[0.5] * 16] * 2
+    assert ckpt.state["m.weight"].tolist() == expected
