@@ -187,7 +187,7 @@ def _print_recipe(recipe: dict) -> None:
         click.echo(f"  rung {r['recipe']:<15} ppl {m.get('ppl_increase_pct', float('nan')):+7.2f}%  "
                    f"top-1 {m.get('top1_agreement', float('nan')) * 100:5.1f}%  KL {m.get('mean_kl', float('nan')):.4f}  "
                    f"{'pass' if r.get('passed') else 'FAIL ' + ', '.join(failed)}  "
-                   f"({secs.get('quantize', 0):.1f}s quantize, {secs.get('screen', 0):.1f}s screen)")
+                   f"[{r.get('judged_on')}; " + ", ".join(f"{k} {v:.1f}s" for k, v in secs.items()) + "]")
 
 
 @main.command()

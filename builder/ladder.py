@@ -1,89 +1,100 @@
-"""``--recipe auto``: a precision's ladder (kiln/precisions.py, data) run as a build stage of its own.
+"""``--recipe auto``: a precision's ladder (kiln/precisions.py, data), climbed inside the validate stage.
 
-Rungs are tried in order, the fastest to serve first. Each rung is quantized (its quantize stage is cached under
-its own key, so a rung any earlier build ran is not calibrated again) and **screened**: its exported checkpoint,
-as transformers computes it from the exported tensors (the ``checkpoint`` artifact's numerics; the compiled
-engine is built from the same model), is evaluated on the build's evaluation text against the unquantized
-reference, and judged by the accuracy gates alone. The first rung that passes is compiled, validated in full and
-published; only one engine is ever compiled. When no rung passes, the rung with the smallest perplexity increase
-is compiled and validated, and the engine is rejected with the whole table in its report.
-
-The reference runner is opened once for the ladder and handed to validation.
+The first rung (the fastest to serve) is built as any build is: quantized, compiled, validated. When its engine
+fails an accuracy gate, the next rungs are tried in order: each is quantized (under its own quantize key, so a
+rung any earlier build ran is not calibrated again) and **screened** — its exported checkpoint, as transformers
+computes it from the exported tensors (the numerics the compiled engine is built from), evaluated on the build's
+evaluation text against the same reference runner, judged by the accuracy gates alone. The first rung that
+passes is compiled and validated in full, and published; when none passes, the rung with the smallest
+perplexity increase is, and its engine is rejected with the whole table in its report. A build whose first rung
+passes costs what a plain build costs.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kiln.recipes import RECIPES, ladder
+from kiln.recipes import RECIPES
 from kiln.spec import BuildSpec
 from validation.gates import evaluate
 
 #: the gates a screen judges (speed and memory are the compiled engine's, judged by validation)
 ACCURACY_GATES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl")
+KEPT_METRICS = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "tokens")
 
 
 @dataclass
 class Rung:
     recipe: str
     quantize_key: str
-    quantized: Path
+    quantized: Path | None
     metrics: dict
     gates: list[dict]
     seconds: dict
+    judged_on: str  # "engine": the compiled engine's validation; "screen": the exported checkpoint, eagerly
 
     @property
     def passed(self) -> bool:
         return all(g["passed"] for g in self.gates)
 
+    @staticmethod
+    def ppl(rung: "Rung") -> float:
+        value = rung.metrics.get("ppl_increase_pct")
+        return value if isinstance(value, (int, float)) and math.isfinite(value) else math.inf
+
+    @classmethod
+    def validated(cls, recipe: str, quantize_key: str, report: dict, seconds: float) -> "Rung":
+        """The first rung, from its engine's validation report."""
+        gates = [g for g in report.get("gates", []) if g["name"] in ACCURACY_GATES]
+        return cls(recipe, quantize_key, None, report.get("metrics") or {}, gates,
+                   {"validate": round(seconds, 3)}, "engine")
+
     def record(self) -> dict:
-        keep = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "tokens")
         return {"recipe": self.recipe, "quant_algo": RECIPES[self.recipe].quant_algo, "passed": self.passed,
-                "metrics": {k: self.metrics.get(k) for k in keep}, "gates": self.gates, "seconds": self.seconds,
-                "quantize_key": self.quantize_key}
+                "judged_on": self.judged_on, "metrics": {k: self.metrics.get(k) for k in KEPT_METRICS},
+                "gates": self.gates, "seconds": self.seconds, "quantize_key": self.quantize_key}
 
 
 def rungs_for(spec: BuildSpec) -> list[str]:
-    """The ladder's rungs this spec's backend can build, in order."""
-    return [r for r in ladder(spec.precision) if spec.backend in RECIPES[r].backends]
+    """The ladder's rungs this spec's backend can build, in order (a named recipe: itself)."""
+    return spec.rungs
 
 
 def accuracy_gates(gates: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in gates.items() if k in ACCURACY_GATES}
 
 
+def accuracy_passed(report: dict) -> bool:
+    return all(g["passed"] for g in report.get("gates", []) if g["name"] in ACCURACY_GATES)
+
+
 def screen(quantized: Path, reference, ids, seq: int, batch: int) -> dict:
-    """The rung's accuracy metrics, from its exported checkpoint computed eagerly."""
+    """A rung's accuracy metrics, from its exported checkpoint computed eagerly."""
     from validation.measure import accuracy
     from validation.runners import CheckpointRunner
 
-    engine = CheckpointRunner(quantized / "hf")
-    try:
-        return accuracy(engine, reference, ids, seq, batch)
-    finally:
-        del engine
+    return accuracy(CheckpointRunner(quantized / "hf"), reference, ids, seq, batch)
 
 
-def climb(spec: BuildSpec, gates: dict[str, float], reference, ids, seq: int, batch: int,
+def climb(spec: BuildSpec, rungs: list[str], gates: dict[str, float], reference, ids, seq: int, batch: int,
           quantize: Callable[[BuildSpec], tuple[str, Path, float]],
-          on_rung: Callable[[dict], None] = lambda r: None) -> tuple[Rung, list[Rung]]:
-    """Run the ladder: ``quantize(rung_spec)`` → (its quantize key, its output dir, seconds). Returns the rung to
-    compile (the first that passed, else the most accurate) and every rung tried."""
+          on_rung: Callable[[dict], None] = lambda r: None) -> tuple[Rung | None, list[Rung]]:
+    """Screen ``rungs`` in order: ``quantize(rung_spec)`` → (its quantize key, its output dir, seconds). Returns
+    the first that passed (None when none did) and every rung tried."""
     tried: list[Rung] = []
     judged = accuracy_gates(gates)
-    for name in rungs_for(spec):
+    for name in rungs:
         qkey, qdir, q_seconds = quantize(spec.with_recipe(name))
         t = time.perf_counter()
         metrics = screen(qdir, reference, ids, seq, batch)
         rung = Rung(name, qkey, qdir, metrics, evaluate(metrics, judged),
-                    {"quantize": round(q_seconds, 3), "screen": round(time.perf_counter() - t, 3)})
+                    {"quantize": round(q_seconds, 3), "screen": round(time.perf_counter() - t, 3)}, "screen")
         tried.append(rung)
         on_rung(rung.record())
         if rung.passed:
             return rung, tried
-    best = min(tried, key=lambda r: r.metrics.get("ppl_increase_pct", float("inf")))
-    return best, tried
-
+    return None, tried

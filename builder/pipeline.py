@@ -83,6 +83,8 @@ class Prepared:
     compile_key: str
     build_key: str
     request_key: str
+    #: the spec the first stages build: ``spec`` itself, or with ``--recipe auto`` its ladder's first rung
+    first: BuildSpec | None = None
 
 
 class Builder:
@@ -119,10 +121,11 @@ class Builder:
         toolchain = toolchain_for(spec.backend, spec.target)
         gates = effective_gates(spec.precision, spec.gates)
         data = {"calibration": calib_digest, "evaluation": eval_digest}
-        qkey = quantize_key(resolved.digest, spec, toolchain, calib_digest)
+        first = spec.with_recipe(ladder_stage.rungs_for(spec)[0]) if spec.recipe_name == AUTO else spec
+        qkey = quantize_key(resolved.digest, first, toolchain, calib_digest)
         prepared = Prepared(spec, resolved, config, toolchain, gates, calib_text, eval_text, data, qkey,
-                            compile_key(qkey, spec, toolchain), build_key(resolved.digest, spec, toolchain, gates, data),
-                            request_key(resolved.digest, spec, gates, data))
+                            compile_key(qkey, first, toolchain), build_key(resolved.digest, spec, toolchain, gates, data),
+                            request_key(resolved.digest, spec, gates, data), first)
         record = StageRecord("resolve", "cached" if was_cached else "ran", time.perf_counter() - t,
                              {"digest": resolved.digest, "revision": resolved.revision})
         self._finished(record)
@@ -146,7 +149,7 @@ class Builder:
             "cached": {"artifact": existing.digest if existing else None,
                        "quantize": self.stage_cache.where("quantize", p.quantize_key) is not None,
                        "compile": self.stage_cache.where("compile", p.compile_key) is not None},
-            "compile": get_backend(p.spec.backend).plan(p.spec, qdir, cdir), "environment": environment,
+            "compile": get_backend(p.spec.backend).plan(p.first, qdir, cdir), "environment": environment,
             "recipe": p.spec.recipe_name,
             **({"ladder": ladder_stage.rungs_for(p.spec)} if p.spec.recipe_name == AUTO else {}),
         }
@@ -174,33 +177,23 @@ class Builder:
         backend = get_backend(spec.backend)
         self._check_cancel()
         p.resolved = materialize_checkpoint(p.resolved, **self._checkpoint_args())  # the download, bounded
-        reference, rungs, built, ckey = None, None, spec, p.compile_key
-        if spec.recipe_name == AUTO:  # the ladder: one quantize per rung tried, one compile
-            reference = open_reference(p.resolved.local_dir)
-            (chosen, tried), _ = self._stage("quantize", lambda: self._climb(p, reference), stages)
-            qdir, built, rungs = chosen.quantized, spec.with_recipe(chosen.recipe), [r.record() for r in tried]
-            ckey = compile_key(chosen.quantize_key, built, p.toolchain)
-        else:
-            qdir, rec = self._stage("quantize", lambda: self.stage_cache.get(
-                "quantize", p.quantize_key,
-                lambda out: quantize_stage.quantize(p.resolved.local_dir, spec, p.calib_text, out)), stages)
+        first = p.first
+        qdir, _ = self._stage("quantize", lambda: self.stage_cache.get(
+            "quantize", p.quantize_key,
+            lambda out: quantize_stage.quantize(p.resolved.local_dir, first, p.calib_text, out)), stages)
         self._check_cancel()
         cdir, _ = self._stage("compile", lambda: self.stage_cache.get(
-            "compile", ckey,
-            lambda out: backend.compile(built, qdir, out, checkpoint_dir=p.resolved.local_dir)), stages)
+            "compile", p.compile_key,
+            lambda out: backend.compile(first, qdir, out, checkpoint_dir=p.resolved.local_dir)), stages)
         self._check_cancel()
         with ThreadPoolExecutor(1, thread_name_prefix="kiln-layer-survey") as ahead:
             # publishing's first read of the engine layer (its digest), made beside validation's accuracy pass
             survey = ahead.submit(survey_engine_layer, self.store, cdir)
-            report, _ = self._stage("validate", lambda: (validate(
-                open_engine(spec.backend, cdir), reference or open_reference(p.resolved.local_dir),
-                p.resolved.local_dir, p.eval_text, built, p.gates, int(p.model_config["vocab_size"]),
-                previous=previous_engine(self.sessions, spec, p.build_key, p.data), engine_source=(spec.backend, cdir),
-                before_timing=survey.exception), {}), stages)
-        del reference
-        report["recipe"] = {"requested": spec.recipe_name, "built": built.recipe_name,
-                            **({"ladder": rungs} if rungs is not None else {})}
-        layer_survey = None if survey.exception() else survey.result()  # publish reads afresh and reports it
+            (report, built, built_dir), _ = self._stage("validate", lambda: (
+                self._validate(p, cdir, survey.exception), {}), stages)
+        # publish reads afresh (and reports it) where the survey failed or the ladder built another rung
+        layer_survey = None if survey.exception() or built_dir != cdir else survey.result()
+        cdir = built_dir
         self._check_cancel()
         provenance = {
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "kiln": kiln.__version__,
@@ -214,22 +207,50 @@ class Builder:
             provenance=provenance, validation=report, layer_survey=layer_survey), {}), stages)
         return self._outcome(p.build_key, row, stages, cache_hit=False)
 
-    def _climb(self, p: Prepared, reference) -> tuple[tuple, dict]:
-        """The ladder's rungs in turn (builder/ladder.py); returns ((chosen, tried), the stage's record)."""
-        ids, seq = eval_tokens(p.resolved.local_dir, p.eval_text, p.spec)
-        batch = min(p.spec.batch_profile.max_batch_size, 16)
+    def _validate(self, p: Prepared, cdir, before_timing) -> tuple[dict, BuildSpec, object]:
+        """Validate the first engine; with ``--recipe auto``, when it fails an accuracy gate, climb the rest of the
+        ladder (builder/ladder.py) and validate the rung it chooses. Returns (report, the spec built, its engine)."""
+        spec, first, backend = p.spec, p.first, get_backend(p.spec.backend)
+        reference = open_reference(p.resolved.local_dir)
+        vocab = int(p.model_config["vocab_size"])
 
-        def quantize(rung: BuildSpec):
-            self._check_cancel()
-            key = quantize_key(p.resolved.digest, rung, p.toolchain, p.data["calibration"])
-            t = time.perf_counter()
-            qdir, _ = self.stage_cache.get("quantize", key, lambda out: quantize_stage.quantize(
-                p.resolved.local_dir, rung, p.calib_text, out))
-            return key, qdir, time.perf_counter() - t
+        def check(built: BuildSpec, engine_dir, hook=None) -> dict:
+            return validate(open_engine(spec.backend, engine_dir), reference, p.resolved.local_dir, p.eval_text, built,
+                            p.gates, vocab, previous=previous_engine(self.sessions, spec, p.build_key, p.data),
+                            engine_source=(spec.backend, engine_dir), before_timing=hook)
 
-        chosen, tried = ladder_stage.climb(p.spec, p.gates, reference, ids, seq, batch, quantize,
-                                           on_rung=lambda r: self.on_event("rung", r))
-        return (chosen, tried), {"ladder": [r.record() for r in tried], "chosen": chosen.recipe}
+        t = time.perf_counter()
+        report = check(first, cdir, before_timing)
+        built, built_dir, tried = first, cdir, None
+        rest = ladder_stage.rungs_for(spec)[1:] if spec.recipe_name == AUTO else []
+        if rest and not ladder_stage.accuracy_passed(report):
+            tried = [ladder_stage.Rung.validated(first.recipe_name, p.quantize_key, report, time.perf_counter() - t)]
+            ids, seq = eval_tokens(p.resolved.local_dir, p.eval_text, spec)
+
+            def quantize(rung: BuildSpec):
+                self._check_cancel()
+                key = quantize_key(p.resolved.digest, rung, p.toolchain, p.data["calibration"])
+                t0 = time.perf_counter()
+                qdir, _ = self.stage_cache.get("quantize", key, lambda out: quantize_stage.quantize(
+                    p.resolved.local_dir, rung, p.calib_text, out))
+                return key, qdir, time.perf_counter() - t0
+
+            chosen, more = ladder_stage.climb(spec, rest, p.gates, reference, ids, seq,
+                                              min(spec.batch_profile.max_batch_size, 16), quantize,
+                                              on_rung=lambda r: self.on_event("rung", r))
+            tried += more
+            best = chosen or min(tried, key=ladder_stage.Rung.ppl)
+            if best is not tried[0]:  # compile and validate the chosen rung; the first engine is not published
+                built = spec.with_recipe(best.recipe)
+                self._check_cancel()
+                key = compile_key(best.quantize_key, built, p.toolchain)
+                built_dir, _ = self.stage_cache.get("compile", key, lambda out: backend.compile(
+                    built, best.quantized, out, checkpoint_dir=p.resolved.local_dir))
+                report = check(built, built_dir)
+        del reference
+        report["recipe"] = {"requested": spec.recipe_name, "built": built.recipe_name,
+                            **({"ladder": [r.record() for r in tried]} if tried else {})}
+        return report, built, built_dir
 
     # -- helpers ---------------------------------------------------------------------------------
     def _checkpoint_args(self) -> dict:

@@ -106,6 +106,13 @@ class BuildSpec(BaseModel):
         """The recipe this spec asks for: its own or its precision's default (``auto`` or a recipe's name)."""
         return resolved_recipe(self.precision, self.recipe)
 
+    @property
+    def rungs(self) -> list[str]:
+        """The recipes this spec may build, in order: its own, or the rungs of its ladder its backend builds."""
+        if self.recipe_name != AUTO:
+            return [self.recipe_name]
+        return [r for r in ladder(self.precision) if self.backend in RECIPES[r].backends]
+
     def with_recipe(self, name: str) -> "BuildSpec":
         """This spec with a concrete recipe (a rung of its ladder)."""
         return self.model_copy(update={"recipe": name})

@@ -63,7 +63,11 @@ def ensure(name: str = "smollm2-135m") -> Path:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=filename)
         model.save_pretrained(tmp, max_shard_size="100MB")
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process made it first (two test workers): theirs is complete
+            if not (out / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -36,8 +36,9 @@ def refresh_read(r) -> dict:
 def support():
     """The support matrix: family × precision × backend, with the reason for each gap (as `kiln models`)."""
     from kiln.backends import support_matrix
+    from kiln.recipes import recipe_table
 
-    return {"support": support_matrix()}
+    return {"support": support_matrix(), "recipes": recipe_table()}
 
 
 @router.put("/v1/models/{model:path}")

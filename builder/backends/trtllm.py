@@ -118,7 +118,7 @@ def check_engine_config(config: dict, spec: BuildSpec) -> list[str]:
     problems = []
     pretrained, build = config.get("pretrained_config", {}) or {}, config.get("build_config", {}) or {}
     quant = pretrained.get("quantization", {}) or {}
-    want_algo = RECIPES[spec.recipe_name].quant_algo
+    want_algo = RECIPES[spec.rungs[0]].quant_algo
     if quant.get("quant_algo") != want_algo:
         problems.append(f"quant_algo is {quant.get('quant_algo')!r}, spec asks {want_algo!r}")
     want_kv = "FP8" if spec.kv_cache == "fp8" else None
@@ -250,7 +250,7 @@ class TRTLLMBackend(Backend):
             "commands": [build_argv(spec, trtllm_checkpoint_dir(out_dir), out_dir)],
             "profile": p.model_dump(), "precision": spec.precision, "kv_cache": spec.kv_cache,
             "tp_size": spec.tp_size, "target": spec.target,
-            "quantization": {"quant_algo": RECIPES[spec.recipe_name].quant_algo,
+            "quantization": {"quant_algo": RECIPES[spec.rungs[0]].quant_algo,
                              "kv_cache_quant_algo": "FP8" if spec.kv_cache == "fp8" else None},
             "plugins": dict(plugin_flags(spec)),
             "steps": [
