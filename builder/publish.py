@@ -45,7 +45,9 @@ def runtime_for(spec: BuildSpec, toolchain: dict) -> str:
         return f"tensorrt_llm={toolchain.get('tensorrt_llm', 'absent')},tensorrt={toolchain.get('tensorrt', 'absent')}"
     if spec.backend == "aot-inductor":
         return f"torch={toolchain.get('torch', 'absent')}"
-    return "tensorrt-llm-pytorch,vllm,sglang"
+    from builder.serving import served_by
+
+    return ",".join("tensorrt-llm-pytorch" if r == "tensorrt-llm" else r for r in served_by(spec))
 
 
 def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: bool) -> dict[str, str]:

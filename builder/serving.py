@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from kiln.recipes import RECIPES, Recipe
 from kiln.spec import BuildSpec
 from kiln.toolchain import SERVING_CONFIG_VERSION
 
@@ -45,13 +46,21 @@ RUNTIMES = {
     "vllm": ("0.19", "vllm.yaml"),
     "sglang": ("0.5", "sglang.yaml"),
 }
-VLLM_QUANTIZATION = {"fp8": "modelopt", "nvfp4": "modelopt_fp4"}
-SGLANG_QUANTIZATION = {"fp8": "modelopt_fp8", "nvfp4": "modelopt_fp4"}
 KV_CACHE_DTYPE = {  # spec.kv_cache → each runtime's name ("auto": the checkpoint's own, unquantized here)
     "tensorrt-llm": {"none": "auto", "fp8": "fp8"},
     "vllm": {"none": "auto", "fp8": "fp8"},
     "sglang": {"none": "auto", "fp8": "fp8_e4m3"},
 }
+
+
+def recipe_of(spec: BuildSpec) -> Recipe:
+    """The recipe the artifact was built with (a built spec names one; ``auto`` resolves to its first rung)."""
+    return RECIPES[spec.rungs[0]]
+
+
+def served_by(spec: BuildSpec) -> list[str]:
+    """The runtimes that load this recipe's export (kiln/recipes.py)."""
+    return [r for r in RUNTIMES if recipe_of(spec).runtimes.get(r)]
 
 
 def cuda_graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -84,7 +93,7 @@ def vllm_options(spec: BuildSpec) -> dict:
         "max-model-len": p.max_seq_len,
         "max-num-batched-tokens": p.max_num_tokens,
         "kv-cache-dtype": KV_CACHE_DTYPE["vllm"][spec.kv_cache],
-        "quantization": VLLM_QUANTIZATION[spec.precision],
+        "quantization": recipe_of(spec).runtimes["vllm"],
     }
 
 
@@ -98,7 +107,7 @@ def sglang_options(spec: BuildSpec) -> dict:
         "max-prefill-tokens": p.max_num_tokens,
         "chunked-prefill-size": p.max_num_tokens,
         "kv-cache-dtype": KV_CACHE_DTYPE["sglang"][spec.kv_cache],
-        "quantization": SGLANG_QUANTIZATION[spec.precision],
+        "quantization": recipe_of(spec).runtimes["sglang"],
         "cuda-graph-max-bs": p.max_batch_size,
         "cuda-graph-bs": cuda_graph_batch_sizes(p.max_batch_size),
     }
@@ -118,14 +127,18 @@ def commands(spec: BuildSpec) -> dict[str, list[str]]:
 
 def serving_files(spec: BuildSpec) -> dict[str, str]:
     """File name (inside ``serving/``) → text, for every runtime plus the manifest that lists them."""
-    options = {"tensorrt-llm": trtllm_options(spec), "vllm": vllm_options(spec), "sglang": sglang_options(spec)}
-    files = {RUNTIMES[r][1]: yaml.safe_dump(opts, sort_keys=False) for r, opts in options.items()}
+    makers = {"tensorrt-llm": trtllm_options, "vllm": vllm_options, "sglang": sglang_options}
+    served, recipe = served_by(spec), recipe_of(spec)
+    files = {RUNTIMES[r][1]: yaml.safe_dump(makers[r](spec), sort_keys=False) for r in served}
     argv = commands(spec)
     manifest = {
-        "format": FORMAT, "model_name": spec.model_name, "precision": spec.precision, "kv_cache": spec.kv_cache,
+        "format": FORMAT, "model_name": spec.model_name, "precision": spec.precision, "recipe": recipe.name,
+        "quant_algo": recipe.quant_algo, "kv_cache": spec.kv_cache,
         "profile": spec.batch_profile.model_dump(), "target": spec.target,
         "runtimes": {r: {"documented_version": RUNTIMES[r][0], "config": f"{SERVING_DIR}/{RUNTIMES[r][1]}",
-                         "argv": argv[r], "run_in_kiln_ci": False} for r in RUNTIMES},
+                         "argv": argv[r], "run_in_kiln_ci": False} for r in served},
+        "not_served": {r: f"its ModelOpt loader does not take quant_algo {recipe.quant_algo}"
+                       for r in RUNTIMES if r not in served},
         "note": "written against each runtime's documented options; none of these runtimes was run by Kiln",
     }
     files[MANIFEST] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"

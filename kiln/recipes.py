@@ -5,7 +5,8 @@ checkpoint under which name. A precision's ladder (``--recipe auto``) is data in
 runner is builder/ladder.py.
 
 The runtime names were read from the runtimes' loaders (docs/validation.md "Recipes" has the table and its
-sources); none of those runtimes runs here.
+sources); none of those runtimes runs here. A runtime that does not load a recipe's export gets no serving
+configuration for it (builder/serving.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class Recipe:
     #: the backends here that can build and validate it (every backend that consumes the unified HF export reads
     #: its formats through kiln/quantformat.py; trtllm-engine only what trtllm-build takes)
     backends: tuple[str, ...]
-    #: runtime → the name it loads this checkpoint under (None: it does not)
+    #: runtime → the name it loads this checkpoint under (None: it does not): TensorRT-LLM's ``QuantAlgo`` (its
+    #: PyTorch backend reads ``hf_quant_config.json`` itself), vLLM's and SGLang's ``quantization`` option
     runtimes: dict[str, str | None] = field(default_factory=dict)
     #: one line on what it costs to serve against what it keeps
     why: str = ""
@@ -50,7 +52,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            "the fastest FP8 to serve: one scale per weight and per activation tensor, fixed at calibration"),
     Recipe("fp8-pcpt", "fp8", "FP8 per-channel weights and dynamic per-token activations",
            "FP8_PER_CHANNEL_PER_TOKEN_CFG", "FP8_PER_CHANNEL_PER_TOKEN", "any", _HF,
-           {"tensorrt-llm": "QuantAlgo.FP8_PER_CHANNEL_PER_TOKEN", "vllm": None, "sglang": None},
+           {"tensorrt-llm": "QuantAlgo.FP8_PER_CHANNEL_PER_TOKEN", "vllm": "modelopt", "sglang": None},
            "a scale per output channel and per token (computed at run time): closer to bf16, a little slower"),
     Recipe("nvfp4", "nvfp4", "NVFP4 weights and activations, FP8 scales per 16 values", "NVFP4_DEFAULT_CFG",
            "NVFP4", "any", _HF + ("trtllm-engine",),
@@ -62,7 +64,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            "most of the weights (the MLP's) in 4 bits; attention's projections unquantized"),
     Recipe("nvfp4-w4a16", "nvfp4", "NVFP4 weights only, activations in the model's dtype", "W4A16_NVFP4_CFG",
            "W4A16_NVFP4", "any", _HF,
-           {"tensorrt-llm": "QuantAlgo.W4A16_NVFP4", "vllm": None, "sglang": None},
+           {"tensorrt-llm": None, "vllm": "modelopt_fp4", "sglang": None},
            "4-bit weights for memory, 16-bit activations for accuracy; no 4-bit tensor-core math"),
 )}
 

@@ -128,3 +128,23 @@ def test_serving_version_is_part_of_the_checkpoint_backends_toolchain():
     """A change to the generated configs must change the artifact's key, never reuse a cached artifact."""
     assert toolchain_for("checkpoint", "sm90")["kiln_serving"] == SERVING_CONFIG_VERSION
     assert "kiln_serving" not in toolchain_for("aot-inductor", "cpu")
+
+
+@pytest.mark.parametrize("precision, recipe, served, flags", [
+    ("fp8", "fp8", {"tensorrt-llm", "vllm", "sglang"}, {"vllm": "modelopt", "sglang": "modelopt_fp8"}),
+    ("fp8", "fp8-pcpt", {"tensorrt-llm", "vllm"}, {"vllm": "modelopt"}),
+    ("nvfp4", "nvfp4-mlp-only", {"tensorrt-llm", "vllm", "sglang"}, {"vllm": "modelopt_fp4", "sglang": "modelopt_fp4"}),
+    ("nvfp4", "nvfp4-w4a16", {"vllm"}, {"vllm": "modelopt_fp4"}),
+])
+def test_only_the_runtimes_that_load_a_recipes_export_get_a_configuration(precision, recipe, served, flags):
+    spec = parse_spec({"checkpoint": str(TINY), "precision": precision, "recipe": recipe, "backend": "checkpoint",
+                       "target": "sm100"}, [REPO])
+    files = serving_files(spec)
+    manifest = json.loads(files[MANIFEST])
+    assert set(manifest["runtimes"]) == served and manifest["recipe"] == recipe
+    assert set(manifest["not_served"]) == {"tensorrt-llm", "vllm", "sglang"} - served
+    assert all(manifest["quant_algo"] in why for why in manifest["not_served"].values())
+    names = {"tensorrt-llm": "trtllm-serve.yaml", "vllm": "vllm.yaml", "sglang": "sglang.yaml"}
+    assert set(files) - {MANIFEST} == {names[r] for r in served}
+    for runtime, flag in flags.items():
+        assert yaml.safe_load(files[names[runtime]])["quantization"] == flag
