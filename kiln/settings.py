@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     # Keys that verify besides the signing key (rotation): PEM text, or PEM files separated by os.pathsep.
     trusted_keys: str | None = None
     # Admission webhook: the registry host names (host[:port], comma separated) whose image references it checks;
-    # default: the Host the webhook request was addressed to. Tag references are denied unless allowed here.
+    # unset: it denies every image (it cannot tell this registry's). Tag references are denied unless allowed here.
     registry_hosts: str | None = None
     admission_allow_tags: bool = False
     redirect_blobs: bool = False  # /v2 blob GETs answer 307 to a short-lived presigned S3 URL (S3 stores only)
