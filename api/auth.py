@@ -29,6 +29,7 @@ from kiln.models import ApiToken, utcnow
 
 SCOPES = ("artifacts:read", "builds:write", "admin")
 IMPLIES = {"admin": set(SCOPES), "builds:write": {"builds:write", "artifacts:read"}, "artifacts:read": {"artifacts:read"}}
+ADMISSION = "/v1/admission/validate"
 OPEN = ("/healthz", "/readyz", "/v1/webhooks/huggingface", "/openapi.json", "/docs", "/redoc", "/metrics")
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
@@ -60,13 +61,16 @@ def required_scope(method: str, path: str) -> str | None:
         return "admin"
     if method in ("GET", "HEAD", "OPTIONS"):
         return "artifacts:read"
-    if path.startswith("/v1/fit") or path == "/v1/admission/validate":  # reads only: a read token suffices
+    if path.startswith("/v1/fit") or path == ADMISSION:  # reads only: a read token suffices
         return "artifacts:read"
     return "builds:write"
 
 
 def anonymous_ok(settings, method: str, path: str, need: str | None) -> bool:
-    """A request without a token may pass: ``KILN_ANONYMOUS_READ`` opens every ``artifacts:read`` route."""
+    """A request without a token may pass: ``KILN_ANONYMOUS_READ`` opens every ``artifacts:read`` route,
+    ``KILN_ANONYMOUS_ADMISSION`` the admission webhook alone."""
+    if settings.anonymous_admission and method == "POST" and path == ADMISSION:
+        return True
     return need == "artifacts:read" and settings.anonymous_read
 
 

@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     # unset: plain SHA-256. Tokens stored before a secret was set keep working after.
     token_secret: str | None = None
     anonymous_read: bool = False  # allow artifacts:read endpoints (resolve, /v2 pulls) without a token
+    # allow POST /v1/admission/validate (only) without a token: the Kubernetes API server calls webhooks without one
+    anonymous_admission: bool = False
     max_body_bytes: int = 1 << 20
     # `kiln pull --server`: the most bytes an engine's layers may declare together (a hostile server is refused
     # before anything is downloaded)
