@@ -443,3 +443,13 @@ def test_only_the_admission_webhook_is_anonymous_and_it_holds_no_token_or_privat
             assert "BEGIN PUBLIC KEY" in configmaps["kiln-admission-config"]["KILN_TRUSTED_KEYS"]
         else:
             assert not anonymous, f"{name} answers without a token"
+
+
+def test_the_webhook_covers_what_docs_admission_says_it_must():
+    """docs/admission.md: pods, pods/ephemeralcontainers and the workloads' templates (ephemeral containers are
+    added through their own subresource, which a rule on pods alone does not match)."""
+    vwc = docs(K8S / "components" / "admission" / "webhook.yaml")[0]
+    resources = {(g, r) for h in vwc["webhooks"] for rule in h["rules"] for g in rule["apiGroups"]
+                 for r in rule["resources"]}
+    assert {("", "pods"), ("", "pods/ephemeralcontainers"), ("apps", "deployments"), ("apps", "statefulsets"),
+            ("apps", "daemonsets"), ("apps", "replicasets"), ("batch", "jobs"), ("batch", "cronjobs")} <= resources
