@@ -89,6 +89,8 @@ def register_model(settings: Settings, sessions: sessionmaker[Session], name: st
     matrix, gates = body.get("matrix"), body.get("gates") or {}
     if not isinstance(matrix, list) or not 1 <= len(matrix) <= 64:
         raise SpecError("matrix must list 1 to 64 entries", field="matrix", fix="give [{precision, profile, target, backend}, ...]")
+    if not isinstance(gates, dict):
+        raise SpecError("gates must be an object", field="gates", fix='e.g. {"max_ppl_increase_pct": 2.0}')
     reason = body.get("override_reason")
     if reason is not None and (not isinstance(reason, str) or len(reason) > 2000):
         raise SpecError("must be a string of at most 2000 characters", field="override_reason",
@@ -98,6 +100,8 @@ def register_model(settings: Settings, sessions: sessionmaker[Session], name: st
         extra = set(entry) - MATRIX_FIELDS if isinstance(entry, dict) else {"(not an object)"}
         if extra:
             raise SpecError(f"unknown fields {sorted(extra)}", field=f"matrix.{i}", fix=f"use only {sorted(MATRIX_FIELDS)}")
+        if not isinstance(entry.get("gates", {}), dict):
+            raise SpecError("gates must be an object", field=f"matrix.{i}.gates", fix='e.g. {"max_ppl_increase_pct": 2.0}')
         try:  # the same rules a build applies, checked now (a placeholder sha: only the shape matters here)
             specs.append(parse_spec({**entry, "model_name": name, "checkpoint": f"hf://{repo}@{'0' * 40}",
                                      "gates": {**gates, **entry.get("gates", {})}}, settings.roots))

@@ -298,3 +298,16 @@ def test_re_registering_with_looser_gates_needs_a_reason_recorded_with_the_model
     with pytest.raises(SpecError) as err:
         register_model(settings, sessions, NAME, body(ENTRY, override_reason=["no"]), broker)
     assert err.value.field == "override_reason"
+
+
+@pytest.mark.parametrize("payload, field", [
+    (body(ENTRY, gates=[1]), "gates"), (body(ENTRY, gates="strict"), "gates"),
+    (body({**ENTRY, "gates": "x"}), "matrix.0.gates"), (body(ENTRY, {**ENTRY, "gates": [2]}), "matrix.1.gates"),
+])
+def test_gates_that_are_not_an_object_are_refused_naming_the_field(env, hub, payload, field):
+    """They were a TypeError (500) when merged with the entry's gates."""
+    settings, sessions, broker = env
+    with pytest.raises(SpecError) as err:
+        register_model(settings, sessions, NAME, payload, broker)
+    assert err.value.field == field and "object" in err.value.message
+    nothing_written(sessions, broker)
