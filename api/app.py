@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
@@ -42,8 +42,12 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
     from kiln import db
     from workers.submit import celery_enqueue
 
+    from api import auth
+
     settings = settings or get_settings()
+    # route_scope: every route checks the scope its own template needs (api/auth.py)
     app = FastAPI(title="Kiln", version=kiln.__version__, default_response_class=SafeJSONResponse,
+                  dependencies=[Depends(auth.route_scope)],
                   docs_url="/docs" if settings.api_docs else None, redoc_url="/redoc" if settings.api_docs else None,
                   description="CI for inference engines: build, validate and serve engines by digest.")
     app.state.settings = settings
@@ -62,8 +66,6 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
     metrics.install(app)  # the database collector and the GET /v1/resolve latency histogram
-    from api import auth
-
     app.include_router(auth.router)
     auth.install(app)  # request size limit, tokens and scopes
 

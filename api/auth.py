@@ -19,7 +19,7 @@ from collections import deque
 from datetime import timedelta, timezone
 from typing import Any
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
@@ -29,6 +29,7 @@ from kiln.models import ApiToken, utcnow
 
 SCOPES = ("artifacts:read", "builds:write", "admin")
 IMPLIES = {"admin": set(SCOPES), "builds:write": {"builds:write", "artifacts:read"}, "artifacts:read": {"artifacts:read"}}
+ADMISSION = "/v1/admission/validate"
 OPEN = ("/healthz", "/readyz", "/v1/webhooks/huggingface", "/openapi.json", "/docs", "/redoc", "/metrics")
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
@@ -51,16 +52,56 @@ MAX_FAILURES, FAILURE_WINDOW_S = 10, 60.0
 
 
 def required_scope(method: str, path: str) -> str | None:
-    """The scope a request needs; None for open endpoints."""
+    """The scope a request needs; None for open endpoints. ``path`` is a route's path template
+    (``/v1/artifacts/{digest}/revoke``) when the request matched one — that decides (:func:`route_scope`) — and
+    the request's own path for the early check in :class:`AuthMiddleware`."""
     if path in OPEN or path.startswith("/static/") or path == "/":
         return None
     if path.startswith("/v1/tokens") or path.endswith("/revoke"):
         return "admin"
     if method in ("GET", "HEAD", "OPTIONS"):
         return "artifacts:read"
-    if path.startswith("/v1/fit") or path == "/v1/admission/validate":  # reads only: a read token suffices
+    if path.startswith("/v1/fit") or path == ADMISSION:  # reads only: a read token suffices
         return "artifacts:read"
     return "builds:write"
+
+
+def anonymous_ok(settings, method: str, path: str, need: str | None) -> bool:
+    """A request without a token may pass: ``KILN_ANONYMOUS_READ`` opens every ``artifacts:read`` route,
+    ``KILN_ANONYMOUS_ADMISSION`` the admission webhook alone."""
+    if settings.anonymous_admission and method == "POST" and path == ADMISSION:
+        return True
+    return need == "artifacts:read" and settings.anonymous_read
+
+
+def control_characters(path: str) -> bool:
+    """A path holding a control character (``%0A``, ``%00``, …): no route's name has one, and a regular
+    expression's ``$`` matches before a final newline, so such a path is refused, never routed."""
+    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in path)
+
+
+class ScopeDenied(Exception):
+    """Raised by :func:`route_scope`; answered with :attr:`response` (the middleware's refusal body)."""
+
+    def __init__(self, response: JSONResponse):
+        self.response = response
+
+
+async def route_scope(request: Request) -> None:
+    """The scope check that decides, run for every API route once it is matched (an app-wide dependency): the
+    scope comes from the matched route's path template, never from the path as the client spelled it."""
+    template = getattr(request.scope.get("route"), "path_format", None)
+    if template is None:
+        return
+    need = required_scope(request.method, template)
+    if need is None or need in request.state.scopes:
+        return
+    if request.state.anonymous and anonymous_ok(request.app.state.settings, request.method, template, need):
+        return
+    path = request.scope["path"]
+    if request.state.anonymous:
+        raise ScopeDenied(_deny(401, path, "a token is required", "send Authorization: Bearer <token>"))
+    raise ScopeDenied(_deny(403, path, f"this token lacks the {need} scope", f"use a token with {need}"))
 
 
 def bearer_or_basic(header: str | None) -> str | None:
@@ -88,6 +129,15 @@ def _deny(status: int, path: str, message: str, fix: str) -> JSONResponse:
                             headers=headers)
     return JSONResponse({"error": {"code": "unauthorized" if status == 401 else "forbidden", "field": "Authorization",
                                    "message": message, "fix": fix}}, status_code=status, headers=headers)
+
+
+def _invalid_path(path: str) -> JSONResponse:
+    message, fix = "the path holds a control character", "remove it (no Kiln path has one)"
+    if path.startswith("/v2"):
+        return JSONResponse({"errors": [{"code": "NAME_INVALID", "message": message, "detail": fix}]}, status_code=400,
+                            headers={"Docker-Distribution-API-Version": "registry/2.0"})
+    return JSONResponse({"error": {"code": "invalid_path", "field": "path", "message": message, "fix": fix}},
+                        status_code=400)
 
 
 class AuthMiddleware:
@@ -119,19 +169,25 @@ class AuthMiddleware:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
                    if k in (b"content-length", b"authorization")}
         path, settings = scope["path"], self.settings
+        if control_characters(path):
+            return await _invalid_path(path)(scope, receive, send)
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > settings.max_body_bytes:
             return await JSONResponse({"error": {"code": "too_large", "field": "body",
                                                  "message": f"body over {settings.max_body_bytes} bytes",
                                                  "fix": "send a smaller request"}}, status_code=413)(scope, receive, send)
         # what the caller may do, for routes that answer differently to admins (request.state.scopes)
+        # (request.state.anonymous: let through without a token checked; route_scope checks the route again)
         state = scope.setdefault("state", {})
+        state["anonymous"] = False
         if not settings.auth_required:
             state["scopes"] = set(SCOPES)  # single user: no tokens at all
             return await self.app(scope, receive, send)
+        # An early check by the path as written (before the body is read); route_scope decides by the route.
         need = required_scope(scope["method"], path)
         state["scopes"] = set()
-        if need is None or (need == "artifacts:read" and settings.anonymous_read and not headers.get("authorization")):
+        if need is None or (not headers.get("authorization") and anonymous_ok(settings, scope["method"], path, need)):
+            state["anonymous"] = not headers.get("authorization")
             return await self.app(scope, receive, send)
         client = (scope.get("client") or ("?",))[0]
         if headers.get("authorization") and self._throttled(client):
@@ -171,9 +227,16 @@ class AuthMiddleware:
 
 
 def install(app) -> None:
+    """The middleware (early checks) and the refusal :func:`route_scope` raises; the app passes
+    ``route_scope`` as its dependency when it is created (api/app.py), so every route, included ones too, has it."""
     from api.bodies import BodyLimitMiddleware
 
     settings = app.state.settings
+
+    @app.exception_handler(ScopeDenied)
+    async def scope_denied(_, exc: ScopeDenied):
+        return exc.response
+
     # inside the auth check (a request without a token is refused before its body is read)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, kiln_app=app)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from typing import Any
@@ -78,7 +79,7 @@ def non_finite_path(value: Any, path: str = "") -> str | None:
 def json_body_problem(body: bytes) -> dict | None:
     """Why a JSON body must be refused (non-finite number, too deep), or None (also for what is no JSON:
     the route says so itself)."""
-    stripped = body.lstrip()
+    stripped = body.lstrip().removeprefix(codecs.BOM_UTF8).lstrip()  # json.loads reads bytes behind a BOM too
     if not stripped[:1] in (b"{", b"["):
         return None
     if not _depth_ok(stripped):

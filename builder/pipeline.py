@@ -35,7 +35,7 @@ from kiln.spec import BuildSpec, check_model
 from kiln.toolchain import toolchain_for
 from validation.gates import effective_gates
 from validation.runners import open_engine, open_reference
-from validation.validate import eval_tokens, previous_engine, validate
+from validation.validate import eval_tokens, judge_naming, previous_engine, validate
 
 STAGES = ("resolve", "quantize", "compile", "validate", "publish")
 Event = Callable[[str, dict], None]
@@ -167,7 +167,8 @@ class Builder:
         stages = [resolve_rec]
         existing = self._existing(p.build_key)
         if existing is not None:
-            if existing.repository != spec.model_name:  # another repository's engine: named here too
+            if existing.repository != spec.model_name:  # another repository's engine: judged, then named here too
+                judge_naming(self.sessions, spec, p.data, existing, p.gates)
                 existing = name_in_repository(self.sessions, existing.digest, spec.model_name)
             stages += [StageRecord(n, "cached") for n in STAGES[1:]]
             for s in stages[1:]:

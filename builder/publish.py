@@ -20,6 +20,7 @@ from kiln.models import Artifact, Referrer, TrackedModel
 from kiln.spec import BuildSpec
 from kiln.states import add_artifact, initial_artifact_status, move_artifact, name_engine
 from validation.report import REPORT_TYPE, report_document, to_json
+from validation.validate import judge_naming
 
 PROVENANCE_TYPE = "application/vnd.kiln.provenance.v1+json"
 ANNOTATION_PREFIX = "dev.kiln"
@@ -156,6 +157,7 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
             theirs = session.scalars(select(Artifact).where(Artifact.build_key == build_key)).one()
     if theirs.repository == spec.model_name:
         return theirs
+    judge_naming(sessions, spec, provenance.get("data"), theirs, provenance.get("gates") or {})
     return name_in_repository(sessions, theirs.digest, spec.model_name)
 
 

@@ -184,6 +184,21 @@ class TrackedModel(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class ModelEvent(Base):
+    """Every registration of a tracked model (``PUT /v1/models/{name}``): the matrix and gates it set, and the
+    ``override_reason`` given when they loosen what they replaced."""
+
+    __tablename__ = "model_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(255), index=True)
+    checkpoint: Mapped[str] = mapped_column(Text)
+    matrix: Mapped[list] = mapped_column(JSON)
+    gates: Mapped[dict] = mapped_column(JSON)
+    override_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class ApiToken(Base):
     """An API token. Only its hash is stored (HMAC-SHA256 keyed with KILN_TOKEN_SECRET when set, else SHA-256);
     the token itself is shown once, when created."""

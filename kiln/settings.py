@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     # unset: plain SHA-256. Tokens stored before a secret was set keep working after.
     token_secret: str | None = None
     anonymous_read: bool = False  # allow artifacts:read endpoints (resolve, /v2 pulls) without a token
+    # allow POST /v1/admission/validate (only) without a token: the Kubernetes API server calls webhooks without one
+    anonymous_admission: bool = False
     max_body_bytes: int = 1 << 20
     # `kiln pull --server`: the most bytes an engine's layers may declare together (a hostile server is refused
     # before anything is downloaded)
@@ -48,7 +50,7 @@ class Settings(BaseSettings):
     # Keys that verify besides the signing key (rotation): PEM text, or PEM files separated by os.pathsep.
     trusted_keys: str | None = None
     # Admission webhook: the registry host names (host[:port], comma separated) whose image references it checks;
-    # default: the Host the webhook request was addressed to. Tag references are denied unless allowed here.
+    # unset: it denies every image (it cannot tell this registry's). Tag references are denied unless allowed here.
     registry_hosts: str | None = None
     admission_allow_tags: bool = False
     redirect_blobs: bool = False  # /v2 blob GETs answer 307 to a short-lived presigned S3 URL (S3 stores only)

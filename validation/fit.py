@@ -67,7 +67,8 @@ class ServiceModel:
 
 # -- reading a sample --------------------------------------------------------------------------------------------
 def _int(value: Any, where: str, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or value < 0:
         raise SpecError(f"{where}: {name} is {value!r}, not a non-negative integer", field=f"traffic.{name}",
                         fix='write {"prompt_tokens": 120, "output_tokens": 80, "arrival_s": 0.5}')
     return int(value)

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from kiln.errors import SpecError
+from kiln.errors import SpecError, ValidationFailed
 from kiln.spec import BuildSpec
 from validation.gates import MEMORY_GATE, evaluate, judged_gates, regression
 from validation.measure import (accuracy, conditions, cpu_wait, decode_latency, peak_memory, throughput,
@@ -139,3 +139,26 @@ def previous_engine(sessions, spec: BuildSpec, build_key: str, data: dict | None
                     "metrics": validation["metrics"], "conditions": validation.get("conditions") or {},
                     "same_evaluation": same_eval}
     return None
+
+
+def judge_naming(sessions, spec: BuildSpec, data: dict | None, engine, gates: dict[str, float]) -> None:
+    """Before another repository's engine (``engine``, with the same BuildKey) is named in ``spec.model_name``:
+    its stored metrics are held to the regression gates against that repository's own previous engine, as a
+    build there would be. ``ValidationFailed`` (and it is not named) when a gate fails; nothing to judge when it
+    is named there already (a repeated request)."""
+    from kiln.models import EngineName
+
+    with sessions() as session:
+        if session.get(EngineName, (spec.model_name, engine.digest)) is not None:
+            return
+    stored = engine.validation or {}
+    previous = previous_engine(sessions, spec, engine.build_key, data)
+    _, verdicts = regression(stored.get("metrics") or {}, stored.get("conditions") or {}, previous, gates,
+                             override_reason=spec.override_reason)
+    failed = [v for v in verdicts if not v["passed"]]
+    if failed:
+        what = "; ".join(f"{v['name']} {v['value']:.2f} > {v['threshold']}" for v in failed)
+        raise ValidationFailed(
+            f"{engine.repository}'s engine {engine.digest} (the same build) regresses against "
+            f"{spec.model_name}'s previous engine {previous['digest']}: {what}", field="gates",
+            fix=f"build for {spec.model_name} with other settings, or revoke its previous engine if it is wrong")

@@ -3,6 +3,7 @@
 Kubernetes sends an ``admission.k8s.io/v1`` AdmissionReview; :func:`review` answers one, echoing the request's
 ``uid``. Every image reference that names this registry — containers, init containers, ephemeral containers and
 image volumes (``spec.volumes[].image.reference``) — is checked; references to other registries pass untouched.
+Hosts are compared in one spelling (:func:`registry_host`); with no ``KILN_REGISTRY_HOSTS`` every image is denied.
 Verdicts, per reference:
 
 - by tag → denied (a tag can move under a running deployment), unless tags are allowed (then resolved once);
@@ -75,6 +76,22 @@ def parse_reference(ref: str) -> tuple[str | None, str, str | None, str | None]:
     if not colon or "/" in tag:
         repo, tag = rest, ""
     return (host.lower() if host else None), repo, (tag or None), (digest or None)
+
+
+def registry_host(host: str) -> str:
+    """One spelling per registry host, as a container runtime reaches it: lower case, no trailing dot on the
+    name, no ``:443`` (HTTPS's default port: ``kiln.example.com:443`` is ``kiln.example.com``)."""
+    host = host.strip().lower()
+    name, colon, port = host.rpartition(":")
+    if not colon or not port.isdigit() or (name.startswith("[") != name.endswith("]")):
+        name, port = host, ""  # no port (an IPv6 address without brackets has colons of its own)
+    name = name.rstrip(".")
+    return name if port in ("", "443") else f"{name}:{port}"
+
+
+def registry_hosts(configured: str | None) -> set[str]:
+    """``KILN_REGISTRY_HOSTS`` (``host[:port]``, comma separated), each in :func:`registry_host`'s spelling."""
+    return {registry_host(h) for h in (configured or "").split(",") if h.strip()}
 
 
 def _dig(obj: Any, path: tuple[str, ...]) -> Any:
@@ -180,8 +197,10 @@ def _why(reason: str | None) -> str:
 
 def review(body: Any, *, hosts: set[str], allow_tags: bool, trusted: set[str],
            lookup: Callable[[ImageRef], EngineFacts | None]) -> dict[str, Any]:
-    """The AdmissionReview answering ``body``. ``lookup`` reads one reference's facts (by digest, or by tag when
-    tags are allowed). ``ValueError`` when ``body`` is not an AdmissionReview request."""
+    """The AdmissionReview answering ``body``. ``hosts``: this registry's host names (:func:`registry_hosts`);
+    a reference whose host is one of them in another spelling is judged the same; with none, every image is
+    denied. ``lookup`` reads one reference's facts (by digest, or by tag when tags are allowed).
+    ``ValueError`` when ``body`` is not an AdmissionReview request."""
     if not isinstance(body, dict) or body.get("kind") != "AdmissionReview" or not isinstance(body.get("request"), dict):
         raise ValueError("not an AdmissionReview with a request")
     request = body["request"]
@@ -198,7 +217,11 @@ def review(body: Any, *, hosts: set[str], allow_tags: bool, trusted: set[str],
         warnings += notes
         for where, reference in image_refs(spec):
             host, repository, tag, digest = parse_reference(reference)
-            if host is None or host not in hosts:
+            if not hosts:  # which references are this registry's is not known: none can be judged
+                denials.append(f"{where}: {reference} cannot be checked: KILN_REGISTRY_HOSTS is not set on the "
+                               "Kiln API, so the webhook does not know this registry's host names")
+                continue
+            if host is None or registry_host(host) not in hosts:
                 continue  # another registry: not ours to judge
             ref = ImageRef(where, reference, host, repository, tag, digest)
             if digest is None and not allow_tags:

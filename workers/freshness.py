@@ -16,11 +16,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from builder.resolve import identify_checkpoint
 from kiln.errors import SpecError
 from kiln.refs import parse_hf_ref
-from kiln.models import Artifact, Tag, TrackedModel, utcnow
+from kiln.models import Artifact, ModelEvent, Tag, TrackedModel, utcnow
 from kiln.settings import Settings
 from kiln.spec import MODEL_NAME_RE, parse_spec
 from kiln.states import move_artifact, remove_tag
-from workers.submit import Enqueue, Submitted, submit
+from workers.submit import Enqueue, Submitted, check_strictness, submit
 
 MATRIX_FIELDS = {"precision", "profile", "target", "backend", "kv_cache", "tp_size", "calibration", "evaluation", "gates",
                  "override_reason"}
@@ -89,15 +89,29 @@ def register_model(settings: Settings, sessions: sessionmaker[Session], name: st
     matrix, gates = body.get("matrix"), body.get("gates") or {}
     if not isinstance(matrix, list) or not 1 <= len(matrix) <= 64:
         raise SpecError("matrix must list 1 to 64 entries", field="matrix", fix="give [{precision, profile, target, backend}, ...]")
+    if not isinstance(gates, dict):
+        raise SpecError("gates must be an object", field="gates", fix='e.g. {"max_ppl_increase_pct": 2.0}')
+    reason = body.get("override_reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > 2000):
+        raise SpecError("must be a string of at most 2000 characters", field="override_reason",
+                        fix="say why the matrix may judge engines more leniently than the one it replaces")
+    specs = []
     for i, entry in enumerate(matrix):
         extra = set(entry) - MATRIX_FIELDS if isinstance(entry, dict) else {"(not an object)"}
         if extra:
             raise SpecError(f"unknown fields {sorted(extra)}", field=f"matrix.{i}", fix=f"use only {sorted(MATRIX_FIELDS)}")
+        if not isinstance(entry.get("gates", {}), dict):
+            raise SpecError("gates must be an object", field=f"matrix.{i}.gates", fix='e.g. {"max_ppl_increase_pct": 2.0}')
         try:  # the same rules a build applies, checked now (a placeholder sha: only the shape matters here)
-            parse_spec({**entry, "model_name": name, "checkpoint": f"hf://{repo}@{'0' * 40}",
-                        "gates": {**gates, **entry.get("gates", {})}}, settings.roots)
+            specs.append(parse_spec({**entry, "model_name": name, "checkpoint": f"hf://{repo}@{'0' * 40}",
+                                     "gates": {**gates, **entry.get("gates", {})}}, settings.roots))
         except SpecError as exc:
             raise SpecError(exc.message, field=f"matrix.{i}.{exc.field}", fix=exc.fix) from None
+    reason = (reason or "").strip() or None
+    with sessions() as s:
+        replaced = s.get(TrackedModel, name)
+        if replaced is not None and reason is None:
+            _no_looser(settings, specs, replaced)
     head = head_of(settings, repo, branch)
     with sessions() as s:
         model = s.get(TrackedModel, name)
@@ -107,9 +121,24 @@ def register_model(settings: Settings, sessions: sessionmaker[Session], name: st
             s.add(model)
         model.checkpoint, model.hf_repo, model.branch, model.head_sha = body["checkpoint"], repo, branch, head
         model.matrix, model.gates, model.updated_at = matrix, gates, utcnow()
+        s.add(ModelEvent(model=name, checkpoint=body["checkpoint"], matrix=matrix, gates=gates, override_reason=reason,
+                         created_at=model.updated_at))
         mark_stale(s, model)
         s.commit()
     return Refresh(model, old is not None and old != head, old, build_matrix(settings, sessions, model, enqueue))
+
+
+def _no_looser(settings: Settings, specs: list, replaced: TrackedModel) -> None:
+    """A matrix entry judged more leniently than the stored matrix's entry for its variant (gates, evaluation) is
+    refused, as a build of the tracked model would be (:func:`workers.submit.check_strictness`), unless the
+    entry or the request gives an ``override_reason`` (the request's is recorded in ``model_events``)."""
+    for i, spec in enumerate(specs):
+        try:
+            check_strictness(settings, spec, replaced)
+        except SpecError as exc:
+            raise SpecError(f"{exc.message}: the new matrix loosens the one it replaces", field=f"matrix.{i}.{exc.field}",
+                            fix=f"{exc.fix}; or give the request an override_reason (recorded with the model's "
+                                "history)") from None
 
 
 def refresh_model(settings: Settings, sessions: sessionmaker[Session], name: str, enqueue: Enqueue) -> Refresh:

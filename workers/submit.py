@@ -22,6 +22,7 @@ from kiln.settings import Settings
 from kiln.spec import BuildSpec, looser_than, parse_spec
 from kiln.states import create_build
 from validation.gates import effective_gates
+from validation.validate import judge_naming
 from workers.capabilities import routing_queues
 from workers.registry import is_live, waiting_reason, workers_for
 
@@ -129,6 +130,9 @@ def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list
             tracked = {m.name: m for m in session.execute(TRACKED, {"names": sorted({s.model_name for s in writes})})}
         for spec in writes:
             check_strictness(settings, spec, tracked.get(spec.model_name))
+    for spec, p, row in zip(specs, prepared, answers):  # and one named here, by its metrics against ours
+        if row is not None and row.Artifact.repository != spec.model_name:
+            judge_naming(sessions, spec, p.data, row.Artifact, p.gates)
     out: list[Submitted] = []
     for spec, p, queue, row in zip(specs, prepared, queues, answers):
         if row is None:

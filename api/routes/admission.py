@@ -10,23 +10,16 @@ from starlette.concurrency import run_in_threadpool
 
 from api.routes.keys import trusted_fingerprints
 from kiln.errors import SpecError
-from workers.admission import engine_facts, review
+from workers.admission import engine_facts, registry_hosts, review
 
 router = APIRouter(tags=["admission"])
-
-
-def registry_hosts(request: Request) -> set[str]:
-    """KILN_REGISTRY_HOSTS (host[:port], comma separated), else the Host this request was addressed to."""
-    configured = request.app.state.settings.registry_hosts
-    if configured:
-        return {h.strip().lower() for h in configured.split(",") if h.strip()}
-    return {request.headers.get("host", "").lower()} - {""}
 
 
 @router.post("/v1/admission/validate")
 async def validate(request: Request, body: Any = Body(None)):
     """Admit or deny a Pod or workload by the engine images it names (AdmissionReview in, AdmissionReview out)."""
-    hosts, trusted = registry_hosts(request), trusted_fingerprints(request.app)
+    # never the Host this request came in by: whoever calls the webhook would name the registry
+    hosts, trusted = registry_hosts(request.app.state.settings.registry_hosts), trusted_fingerprints(request.app)
     allow_tags = request.app.state.settings.admission_allow_tags
 
     def decide() -> dict:

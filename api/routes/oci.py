@@ -14,7 +14,7 @@ What may be served is decided by the index rows, never by the store alone:
   ``stale`` engines stay pullable by digest (pinned rollbacks), never by tag; every engine manifest response
   says its status in the ``Kiln-Engine-Status`` header;
 * a blob is served only when a servable manifest of that repository names it (config, layer, or the manifest
-  itself). Manifests are immutable, so what each one names is cached per process (an LRU keyed by store and
+  itself); one that only a revoked engine names is refused like that engine's manifest (``403 DENIED``). Manifests are immutable, so what each one names is cached per process (an LRU keyed by store and
   manifest digest).
 
 Errors use the spec's body, ``{"errors": [{"code", "message", "detail"}]}``, and only here: the rest of the API
@@ -228,15 +228,24 @@ def _manifest_by_tag(session: Session, name: str, tag_name: str) -> _Found:
     return _Found(art.digest, art.status, art.status_reason)  # a revoked one is DENIED by the caller
 
 
-def _servable_manifests(session: Session, name: str) -> list[str]:
-    """Digests of the manifests of ``name`` that may be served: engines not rejected, referrers of those."""
+def _servable_manifests(session: Session, name: str) -> tuple[list[str], dict[str, str | None]]:
+    """Digests of the manifests of ``name`` whose blobs may be served — engines neither rejected nor revoked,
+    the referrers of engines not rejected — and the revoked engines (digest → reason), whose blobs are
+    refused as their manifests are."""
     named = _named(name)
-    engines = list(session.scalars(select(Artifact.digest).where(Artifact.digest.in_(named),
-                                                                 Artifact.status != "rejected")))
+    engines = session.execute(select(Artifact.digest, Artifact.status, Artifact.status_reason)
+                              .where(Artifact.digest.in_(named), Artifact.status != "rejected")).all()
     q = (select(Referrer.digest).outerjoin(Artifact, Artifact.digest == Referrer.subject)
          .where(or_(Referrer.repository == name, Referrer.subject.in_(named)),
                 or_(Artifact.status.is_(None), Artifact.status != "rejected")))
-    return engines + list(session.scalars(q))
+    revoked = {e.digest: e.status_reason for e in engines if e.status == "revoked"}
+    return [e.digest for e in engines if e.status != "revoked"] + list(session.scalars(q)), revoked
+
+
+def _revoked(digest: str, reason: str | None) -> OCIError:
+    return OCIError(403, "DENIED", f"engine {digest} was revoked: {reason or 'no reason recorded'}",
+                    {"digest": digest, "status": "revoked", "reason": reason,
+                     "fix": f"pull a fresh engine; an admin may fetch it with ?{REVOKED_QUERY}"})
 
 
 # -- manifests, cached ------------------------------------------------------------------------------------------
@@ -321,9 +330,7 @@ def manifest(name: str, reference: str, request: Request) -> Response:
         else:
             found = _manifest_by_tag(s, name, reference)
     if found.status == "revoked" and not _admin_asks_for_revoked(request):
-        raise OCIError(403, "DENIED", f"engine {found.digest} was revoked: {found.reason or 'no reason recorded'}",
-                       {"digest": found.digest, "status": "revoked", "reason": found.reason,
-                        "fix": f"pull a fresh engine; an admin may fetch it with ?{REVOKED_QUERY}"})
+        raise _revoked(found.digest, found.reason)
     item = MANIFESTS.get(_store(request), found.digest)
     headers = {"Docker-Content-Digest": found.digest, "ETag": f'"{found.digest}"',
                "Content-Length": str(len(item.data))}
@@ -372,12 +379,17 @@ def blob(name: str, digest: str, request: Request) -> Response:
     _check_digest(digest)
     store = _store(request)
     with _sessions(request)() as s:
-        manifests = _servable_manifests(s, name)
-    if not manifests:
+        manifests, revoked = _servable_manifests(s, name)
+    if not manifests and not revoked:
         raise _unknown_name(name)
     if not any(digest in MANIFESTS.get(store, m).names for m in manifests):
-        raise OCIError(404, "BLOB_UNKNOWN", f"no blob {digest} in repository {name!r}",
-                       {"name": name, "digest": digest})
+        # only a revoked engine names it (its manifest, config or a layer): refused as that manifest is
+        withdrawn = next((m for m in revoked if digest in MANIFESTS.get(store, m).names), None)
+        if withdrawn is None:
+            raise OCIError(404, "BLOB_UNKNOWN", f"no blob {digest} in repository {name!r}",
+                           {"name": name, "digest": digest})
+        if not _admin_asks_for_revoked(request):
+            raise _revoked(withdrawn, revoked[withdrawn])
     size = store.stat(digest).size
     headers = {"Docker-Content-Digest": digest, "ETag": f'"{digest}"', "Accept-Ranges": "bytes"}
     media_type = "application/octet-stream"

@@ -349,3 +349,19 @@ def test_failed_token_checks_are_counted_per_client_address(tmp_path):
         noisy.get("/v1/artifacts", headers=bearer("kiln_wrong"))
     assert noisy.get("/v1/artifacts", headers=bearer(BOOT)).status_code == 429
     assert other.get("/v1/artifacts", headers=bearer(BOOT)).status_code == 200
+
+
+def test_anonymous_admission_opens_the_webhook_alone(tmp_path):
+    """KILN_ANONYMOUS_ADMISSION: the API server may call POST /v1/admission/validate without a token; every other
+    route (resolve, artifacts, /v2 pulls) still needs one."""
+    anon = app_for(tmp_path, auth="required", bootstrap_token=BOOT, anonymous_admission=True, registry_hosts="kiln.example")
+    review = {"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
+              "request": {"uid": "u1", "kind": {"kind": "Pod"}, "operation": "CREATE",
+                          "object": {"spec": {"containers": [{"name": "c", "image": "busybox:1.36"}]}}}}
+    r = anon.post("/v1/admission/validate", json=review)
+    assert r.status_code == 200 and r.json()["response"]["allowed"] is True
+    for method, path in (("GET", "/v1/artifacts"), ("GET", "/v2/"), ("GET", "/v2/acme/tiny/tags/list"),
+                         ("POST", "/v1/fit"), ("GET", "/v1/admission/validate")):
+        r = anon.request(method, path)
+        assert r.status_code in (401, 405), f"{method} {path} answered {r.status_code} without a token"
+    assert anon.get("/v1/artifacts", headers={"Authorization": f"Bearer {BOOT}"}).status_code == 200

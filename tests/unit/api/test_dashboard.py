@@ -297,3 +297,26 @@ def test_docs_loading_cdn_scripts_are_off_unless_asked_for(tmp_path):
     assert client.get("/openapi.json").status_code == 200
     on = TestClient(create_app(Settings(home=tmp_path / "home", api_docs=True), enqueue=lambda *a, **k: None))
     assert on.get("/docs").status_code == 200
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_fit_refuses_non_finite_token_counts_with_422(app_env, value):
+    """A non-finite token count was int()'d: ValueError / OverflowError, a 500. In a JSON body the middleware
+    refuses it; in a JSON-lines string (or a body behind a UTF-8 BOM, which json.loads reads too) it got through."""
+    client, _ = app_env
+    line = f'{{"prompt_tokens": {value}, "output_tokens": 1, "arrival_s": 0}}'
+    r = client.post("/v1/fit", json={"traffic": line})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "traffic.prompt_tokens", r.text
+    raw = f'{{"traffic": [{line}]}}'.encode()
+    for body in (raw, b"\xef\xbb\xbf" + raw, b" \xef\xbb\xbf" + raw):
+        r = client.post("/v1/fit", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["fix"] == "give a finite number (JSON has no NaN or Infinity)"
+
+
+def test_a_body_behind_a_bom_is_held_to_the_depth_limit():
+    from api.bodies import MAX_JSON_DEPTH, json_body_problem
+
+    deep = b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1)
+    assert json_body_problem(deep) is not None
+    assert json_body_problem(b"\xef\xbb\xbf" + deep)["message"].startswith("JSON nested deeper")

@@ -167,6 +167,26 @@ def test_a_revoked_engine_is_denied_with_its_reason_unless_an_admin_asks(reg, en
     assert r.status_code == 200 and r.headers["Kiln-Engine-Status"] == "revoked"
 
 
+def test_a_revoked_engines_blobs_are_denied_like_its_manifest(reg, engine):
+    """GET /v2/<name>/blobs/<revoked manifest digest> answered the manifest, then its layers: the revoke was
+    sidestepped by pulling through /blobs."""
+    manifest = read_manifest(reg.store, engine.digest)
+    with reg.sessions() as s:
+        row = s.get(Artifact, engine.digest)
+        row.status, row.status_reason = "revoked", "wrong tokenizer"
+        s.commit()
+    for digest in (engine.digest, manifest["config"]["digest"], *(d["digest"] for d in manifest["layers"])):
+        url = f"/v2/{REPO}/blobs/{digest}"
+        r = reg.client.get(url)
+        assert r.status_code == 403 and errors(r)["code"] == "DENIED" and "wrong tokenizer" in errors(r)["message"]
+        assert reg.client.head(url).status_code == 403
+        assert reg.client.get(url, headers={"Range": "bytes=0-1"}).status_code == 403
+        assert reg.client.get(f"{url}?allow=revoked").status_code == 200  # an admin who asks for it
+    # its referrers (provenance, signatures) stay readable: they say why and by whom
+    ref = json.loads(reg.store.get_bytes(reg.referrer_of(engine.digest).digest))
+    assert reg.client.get(f"/v2/{REPO}/blobs/{ref['layers'][0]['digest']}").status_code == 200
+
+
 def test_a_rejected_engine_is_never_served(reg, engine):
     bad = reg.publish(passed=False, profile="balanced")
     assert bad.status == "rejected"

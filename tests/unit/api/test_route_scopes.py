@@ -128,3 +128,52 @@ def test_event_stream_needs_read_scope(env):
     url = concrete("/v1/builds/{build_id}/events")
     assert client.get(url).status_code == 401
     assert client.get(url, headers={"Authorization": f"Bearer {tokens['artifacts:read']}"}).status_code == 404
+
+
+def router_refused(r) -> bool:
+    """Answered by the router itself (no route matched, or not with this method): no handler ran."""
+    return r.status_code in (404, 405) and r.json().get("error", {}).get("code") == "http_error"
+
+
+@pytest.mark.parametrize("suffix", ["%0A", "%00", "/", ";"])
+def test_a_suffix_never_lowers_the_scope(env, suffix):
+    """``$`` in a route's pattern matches before a final newline: ``POST …/revoke%0A`` reached the admin-only
+    revoke handler with a builds:write token while the scope was read off the path's end. With any suffix, a
+    request with the scope below its route's is refused (by the scope check, as a bad path, or by the router)."""
+    client, tokens = env
+    for method, path in routes(client.app):
+        need = expected_scope(method, path)
+        if need is None or path.endswith("/events"):
+            continue
+        below = BELOW[need]
+        headers = {"Authorization": f"Bearer {tokens[below]}"} if below else {}
+        r = client.request(method, concrete(path) + suffix, headers=headers)
+        if suffix in ("%0A", "%00"):
+            assert r.status_code == 400, f"{method} {path}{suffix} answered {r.status_code}: {r.text}"
+            continue
+        assert denied(r) or router_refused(r), \
+            f"{method} {path}{suffix} with {below or 'no token'} answered {r.status_code}: {r.text}"
+
+
+def test_control_characters_in_a_path_are_refused(env):
+    client, tokens = env
+    r = client.post(concrete("/v1/artifacts/{digest}/revoke") + "%0A",
+                    headers={"Authorization": f"Bearer {tokens['builds:write']}"})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "path"
+    r = client.get("/v2/acme/tiny/manifests/latest%0D")
+    assert r.status_code == 400 and r.json()["errors"][0]["code"] == "NAME_INVALID"
+
+
+def test_the_matched_route_decides_the_scope(env, monkeypatch):
+    """Without the bad-path refusal, the route's own check still holds: ``…/revoke%0A`` matches the revoke route,
+    and the revoke route needs admin whatever the path's end says."""
+    from api import auth
+
+    client, tokens = env
+    monkeypatch.setattr(auth, "control_characters", lambda path: False, raising=False)
+    url = concrete("/v1/artifacts/{digest}/revoke") + "%0A"
+    r = client.post(url, headers={"Authorization": f"Bearer {tokens['builds:write']}"})
+    assert r.status_code == 403 and denied(r), r.text
+    assert "admin" in r.json()["error"]["message"]
+    r = client.post(url, headers={"Authorization": f"Bearer {tokens['admin']}"})
+    assert not denied(r)

@@ -423,3 +423,33 @@ def test_network_policies_let_every_kiln_pod_reach_what_it_needs(rendered):
             if needed:
                 assert any(selects(peer["podSelector"], pod_labels(client)) for r in rules for peer in r["from"]), \
                     f"{client['metadata']['name']} cannot reach {d['metadata']['name']}"
+
+
+def test_only_the_admission_webhook_is_anonymous_and_it_holds_no_token_or_private_key():
+    """The base set KILN_ANONYMOUS_READ=true so that the API server could call the webhook: every /v1 GET and /v2
+    pull was then anonymous. Only the admission Deployment answers without a token, and only the webhook."""
+    objs = render(K8S / "base", (K8S / "components" / "admission",))
+    configmaps = {d["metadata"]["name"]: d.get("data") or {} for d in by_kind(objs, "ConfigMap")}
+    assert all("KILN_ANONYMOUS_READ" not in data for data in configmaps.values())
+    deployments = {d["metadata"]["name"]: d for d in by_kind(objs, "Deployment")}
+    for name, d in deployments.items():
+        sources = [s for c in containers(pod_spec(d)) for s in c.get("envFrom", [])]
+        maps = {s["configMapRef"]["name"] for s in sources if "configMapRef" in s}
+        secrets = {s["secretRef"]["name"] for s in sources if "secretRef" in s}
+        anonymous = {k for m in maps for k, v in configmaps[m].items() if k.startswith("KILN_ANONYMOUS") and v == "true"}
+        if name == "kiln-admission":
+            assert anonymous == {"KILN_ANONYMOUS_ADMISSION"}
+            assert secrets == {"kiln-backends"}, "the webhook needs the index only: no bootstrap token, no signing key"
+            assert "BEGIN PUBLIC KEY" in configmaps["kiln-admission-config"]["KILN_TRUSTED_KEYS"]
+        else:
+            assert not anonymous, f"{name} answers without a token"
+
+
+def test_the_webhook_covers_what_docs_admission_says_it_must():
+    """docs/admission.md: pods, pods/ephemeralcontainers and the workloads' templates (ephemeral containers are
+    added through their own subresource, which a rule on pods alone does not match)."""
+    vwc = docs(K8S / "components" / "admission" / "webhook.yaml")[0]
+    resources = {(g, r) for h in vwc["webhooks"] for rule in h["rules"] for g in rule["apiGroups"]
+                 for r in rule["resources"]}
+    assert {("", "pods"), ("", "pods/ephemeralcontainers"), ("apps", "deployments"), ("apps", "statefulsets"),
+            ("apps", "daemonsets"), ("apps", "replicasets"), ("batch", "jobs"), ("batch", "cronjobs")} <= resources

@@ -10,7 +10,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from workers.admission import EngineFacts, asked_sms, parse_reference, review, sm_of_product
+from workers.admission import (EngineFacts, asked_sms, parse_reference, registry_host, registry_hosts, review,
+                               sm_of_product)
 
 HOST = "kiln.internal:8000"
 D_FRESH, D_STALE, D_REVOKED, D_REJECTED, D_UNSIGNED, D_OTHER_KEY, D_SM100 = (
@@ -218,7 +219,7 @@ def index_app():
     from kiln import db
     from kiln.settings import Settings
 
-    settings = Settings()
+    settings = Settings(registry_hosts=HOST)
     db.upgrade(settings.db_url)
     return create_app(settings, enqueue=lambda *a, **k: None)
 
@@ -265,7 +266,7 @@ def test_webhook_over_published_engines(tmp_path, monkeypatch):
     assert r["allowed"] is False and f"built from {'b' * 40}" in r["status"]["message"]
     r = post(pod_create(image=None, volume=f"{HOST}/acme/tiny:{good.tag}"))
     assert r["allowed"] is False and "by tag" in r["status"]["message"]
-    # the default registry host is the one the webhook was addressed to: another host's references pass
+    # another host's references pass
     assert post(pod_create(image=f"other.registry:5000/acme/tiny@{stale.digest}"))["allowed"] is True
     # signature facts come from the index: without the referrers the engine is unsigned
     with app.state.sessions() as s:
@@ -286,6 +287,47 @@ def test_webhook_over_published_engines(tmp_path, monkeypatch):
     assert r["response"]["allowed"] is False
 
 
+def test_the_hosts_of_this_registry_in_any_spelling_are_judged():
+    """Case, a trailing dot and HTTPS's default port do not make this registry another one: such a reference (an
+    alias of a configured host) is judged as the host itself. Before, each was allowed unchecked."""
+    hosts = registry_hosts("Kiln.Example.com:443, registry:5000")
+    assert hosts == {"kiln.example.com", "registry:5000"}
+    for alias in ("kiln.example.com", "kiln.example.com:443", "kiln.example.com.", "KILN.EXAMPLE.COM.:443",
+                  "registry:5000", "Registry.:5000"):
+        for image in (f"{alias}/acme/tiny@{D_REVOKED}", f"{alias}/acme/tiny:latest"):
+            r = review(pod_create(image=image), hosts=hosts, allow_tags=False, trusted={KEY}, lookup=lookup)
+            assert r["response"]["allowed"] is False, image
+        r = review(pod_create(image=f"{alias}/acme/tiny@{D_FRESH}"), hosts=hosts, allow_tags=False,
+                   trusted={KEY}, lookup=lookup)
+        assert r["response"]["allowed"] is True
+    # another port, another name: another registry
+    for other in ("kiln.example.com:5000", "kiln.example.org", "registry:5001", "registry"):
+        r = review(pod_create(image=f"{other}/acme/tiny@{D_REVOKED}"), hosts=hosts, allow_tags=False,
+                   trusted={KEY}, lookup=lookup)
+        assert r["response"]["allowed"] is True, other
+    assert registry_host("[::1]:443") == "[::1]" and registry_host("[::1]:5000") == "[::1]:5000"
+
+
+def test_without_registry_hosts_the_webhook_denies_rather_than_trusting_the_host_header(tmp_path):
+    """The webhook took the request's own Host as the registry's name: a caller chose which references are
+    judged. Unconfigured, every image is denied, saying why; a deletion is still allowed."""
+    from api.app import create_app
+    from kiln import db
+    from kiln.settings import Settings
+
+    settings = Settings()
+    assert settings.registry_hosts is None
+    db.upgrade(settings.db_url)
+    client = TestClient(create_app(settings, enqueue=lambda *a, **k: None), base_url="http://evil.example")
+    r = client.post("/v1/admission/validate", json=pod_create(image=f"evil.example/acme/tiny@{D_FRESH}")).json()
+    assert r["response"]["allowed"] is False and "KILN_REGISTRY_HOSTS is not set" in r["response"]["status"]["message"]
+    r = client.post("/v1/admission/validate", json=pod_create(image="busybox:1.36")).json()
+    assert r["response"]["allowed"] is False
+    body = pod_create()
+    body["request"]["operation"] = "DELETE"
+    assert client.post("/v1/admission/validate", json=body).json()["response"]["allowed"] is True
+
+
 def test_keys_artifacts_and_resolve_say_who_signed(tmp_path):
     from api.app import create_app
     from artifacts.signing import configured_signer
@@ -295,7 +337,7 @@ def test_keys_artifacts_and_resolve_say_who_signed(tmp_path):
     from kiln.settings import Settings
     from kiln.spec import parse_spec
 
-    settings = Settings()
+    settings = Settings(registry_hosts=HOST)
     db.upgrade(settings.db_url)
     app = create_app(settings, enqueue=lambda *a, **k: None)
     client = TestClient(app)

@@ -290,3 +290,59 @@ def test_a_head_move_untags_only_this_repositorys_names_of_other_heads_engines(e
         s.commit()
     assert (_tag(sessions, A, own.tag), _tag(sessions, A, head_b.tag)) == (own.digest, head_b.digest)
     assert (_tag(sessions, B, old_b.tag), _tag(sessions, B, head_b.tag)) == (old_b.digest, head_b.digest)
+
+
+def _publish_validated(settings, sessions, spec, key, tmp_path, *, ppl_increase_pct, tokens_per_s, data=None):
+    """An engine of ``spec``'s repository with measured metrics (what previous_engine compares with)."""
+    from artifacts.factory import open_store
+    from builder.publish import publish
+    from tests.unit.workers.test_build_states import engine_dir
+
+    cond = {"device": "cpu", "threads": 4, "cpus": 4, "cpu_model": "test", "gpu": None}
+    metrics = {"ppl_increase_pct": ppl_increase_pct,
+               "throughput": [{"batch_size": 1, "seq_len": 64, "tokens_per_s": tokens_per_s,
+                               "tokens_per_s_best": tokens_per_s}]}
+    prov = {"created": "2026-01-01T00:00:00Z", "toolchain": {}, "spec": spec.model_dump(), "data": data or {},
+            "checkpoint": {"ref": spec.checkpoint, "digest": "sha256:" + "c" * 64, "revision": None}}
+    seed = key[-12:] + spec.model_name.replace("/", "-")
+    return publish(open_store(settings.store), sessions, engine_dir(tmp_path / seed, seed), spec=spec, build_key=key,
+                   provenance=prov, validation={"passed": True, "metrics": metrics, "conditions": cond})
+
+
+def test_naming_another_repositorys_engine_is_judged_against_this_repositorys_previous_engine(env, tmp_path):
+    """B's engine for the requested BuildKey was named in A (and took A's tag) with no judgement against A's
+    previous engine: a build in A with those metrics would have failed A's regression gate."""
+    from kiln.errors import ValidationFailed
+
+    settings, sessions, broker = env
+    spec_a, spec_b = spec_of(settings, {**CPU, "model_name": A}), spec_of(settings, CPU)
+    p = prepared(settings, sessions, spec_b)
+    ours = _publish_validated(settings, sessions, spec_a, "sha256:" + "e" * 64, tmp_path, ppl_increase_pct=0.5,
+                              tokens_per_s=1000.0, data=p.data)
+    _publish_validated(settings, sessions, spec_b, p.build_key, tmp_path, ppl_increase_pct=4.0, tokens_per_s=1000.0,
+                       data=p.data)
+    with pytest.raises(ValidationFailed, match="max_accuracy_regression_pct") as refused:
+        submit(settings, sessions, spec_a, broker)
+    assert ours.digest in str(refused.value)
+    assert _tag(sessions, A, ours.tag) == ours.digest  # A's tag stays on its own engine
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(EngineName)) == 0
+    # the worker's path (a build whose key another repository's engine has by then) judges the same way
+    from builder.pipeline import Builder
+
+    with pytest.raises(ValidationFailed, match="regresses against"):
+        Builder(settings, None, sessions).build(spec_a)
+    assert _tag(sessions, A, ours.tag) == ours.digest
+
+
+def test_naming_an_engine_that_does_not_regress_here_still_works(env, tmp_path):
+    settings, sessions, broker = env
+    spec_a, spec_b = spec_of(settings, {**CPU, "model_name": A}), spec_of(settings, CPU)
+    p = prepared(settings, sessions, spec_b)
+    _publish_validated(settings, sessions, spec_a, "sha256:" + "e" * 64, tmp_path, ppl_increase_pct=0.5,
+                       tokens_per_s=1000.0, data=p.data)
+    theirs = _publish_validated(settings, sessions, spec_b, p.build_key, tmp_path, ppl_increase_pct=0.8,
+                                tokens_per_s=950.0, data=p.data)
+    answer = submit(settings, sessions, spec_a, broker)
+    assert answer.outcome == "existing-artifact" and answer.artifact.digest == theirs.digest
+    assert _tag(sessions, A, theirs.tag) == theirs.digest

@@ -268,3 +268,46 @@ def test_a_tracked_checkpoint_must_be_a_hub_branch(ref):
     assert (err.value.field, err.value.message, err.value.fix) == (
         "checkpoint", "a tracked model follows a Hugging Face branch", "give hf://org/name@branch")
     assert parse_tracked_checkpoint(f"hf://{REPO}@dev") == (REPO, "dev")
+
+
+def test_re_registering_with_looser_gates_needs_a_reason_recorded_with_the_models_history(env, hub):
+    """A PUT with looser matrix gates than the stored matrix was accepted without a reason: the matrix a build of
+    the model is judged against could be loosened on a write token's say alone."""
+    from kiln.models import ModelEvent
+
+    settings, sessions, broker = env
+    strict = {**ENTRY, "gates": {"max_ppl_increase_pct": 1.0}}
+    register_model(settings, sessions, NAME, body(strict), broker)
+    for looser in (body({**ENTRY, "gates": {"max_ppl_increase_pct": 2.0}}),  # an entry's own gate
+                   body(ENTRY, gates={"max_ppl_increase_pct": 2.5}),  # the model-wide gates
+                   body(ENTRY)):  # back to the precision's defaults (3.0)
+        with pytest.raises(SpecError) as err:
+            register_model(settings, sessions, NAME, looser, broker)
+        assert err.value.field == "matrix.0.gates.max_ppl_increase_pct"
+        assert "loosens" in err.value.message and "override_reason" in err.value.fix
+    with sessions() as s:
+        assert s.get(TrackedModel, NAME).matrix == [strict]
+    # as strict, stricter, or another variant: no reason needed
+    register_model(settings, sessions, NAME, body({**ENTRY, "gates": {"max_ppl_increase_pct": 0.5}}), broker)
+    # with a reason: accepted, and the reason is in the model's history
+    register_model(settings, sessions, NAME, body(ENTRY, override_reason="the 0.5 gate flakes on CPU runners"), broker)
+    with sessions() as s:
+        events = s.scalars(select(ModelEvent).where(ModelEvent.model == NAME).order_by(ModelEvent.id)).all()
+        assert [e.override_reason for e in events] == [None, None, "the 0.5 gate flakes on CPU runners"]
+        assert events[-1].matrix == [ENTRY] and s.get(TrackedModel, NAME).matrix == [ENTRY]
+    with pytest.raises(SpecError) as err:
+        register_model(settings, sessions, NAME, body(ENTRY, override_reason=["no"]), broker)
+    assert err.value.field == "override_reason"
+
+
+@pytest.mark.parametrize("payload, field", [
+    (body(ENTRY, gates=[1]), "gates"), (body(ENTRY, gates="strict"), "gates"),
+    (body({**ENTRY, "gates": "x"}), "matrix.0.gates"), (body(ENTRY, {**ENTRY, "gates": [2]}), "matrix.1.gates"),
+])
+def test_gates_that_are_not_an_object_are_refused_naming_the_field(env, hub, payload, field):
+    """They were a TypeError (500) when merged with the entry's gates."""
+    settings, sessions, broker = env
+    with pytest.raises(SpecError) as err:
+        register_model(settings, sessions, NAME, payload, broker)
+    assert err.value.field == field and "object" in err.value.message
+    nothing_written(sessions, broker)
