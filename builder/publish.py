@@ -41,11 +41,13 @@ def _source_url(ref: str) -> str:
 
 def runtime_for(spec: BuildSpec, toolchain: dict) -> str:
     """What loads this engine: the exact toolchain for a TensorRT engine (in resolve's ``runtime=`` form), the
-    torch version for an AOTInductor package, the runtimes with serving configs for a checkpoint."""
+    torch version for an AOTInductor package (and for a ``cpu`` one the CPU it needs, kiln/toolchain.py
+    ``host_cpu``), the runtimes with serving configs for a checkpoint."""
     if spec.backend == "trtllm-engine":
         return f"tensorrt_llm={toolchain.get('tensorrt_llm', 'absent')},tensorrt={toolchain.get('tensorrt', 'absent')}"
-    if spec.backend == "aot-inductor":
-        return f"torch={toolchain.get('torch', 'absent')}"
+    if spec.backend == "aot-inductor":  # a cpu engine also needs the CPU it was compiled for (or one with more)
+        cpu = f",cpu={toolchain['cpu']}" if spec.target == "cpu" and toolchain.get("cpu") else ""
+        return f"torch={toolchain.get('torch', 'absent')}{cpu}"
     from builder.serving import served_by
 
     return ",".join("tensorrt-llm-pytorch" if r == "tensorrt-llm" else r for r in served_by(spec))

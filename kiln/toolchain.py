@@ -53,13 +53,127 @@ def tensorrt_llm_version() -> str | None:
 
 
 def cpu_capability() -> str:
-    """The ISA level that AOTInductor generates code for on this host (an engine for AVX512 may not load on AVX2)."""
+    """The ISA level that ATen and AOTInductor generate code for on this host (``AVX512``, ``AVX2``, ``DEFAULT``, …;
+    ``ATEN_CPU_CAPABILITY`` lowers it). An engine compiled for AVX512 does not load on an AVX2 CPU."""
     import torch
 
     try:
         return torch.backends.cpu.get_cpu_capability()
     except Exception:  # older torch
         return "unknown"
+
+
+#: capability levels per machine, lowest first: code for a level runs on every higher one
+CPU_LEVELS = {"x86_64": ("DEFAULT", "AVX2", "AVX512"), "aarch64": ("DEFAULT", "SVE256")}
+#: the feature that means "native bf16 matrix units": the ``cpu`` target computes a bf16 checkpoint in bf16
+BF16 = "bf16"
+
+
+def _proc_cpu_flags() -> set[str]:
+    """``flags`` (x86) / ``Features`` (arm) of /proc/cpuinfo; empty where there is none."""
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip().lower() in ("flags", "features"):
+            return set(value.split())
+    return set()
+
+
+def _has(probe: str, flag: str, flags: set[str]) -> bool:
+    """torch's own cpuinfo probe (``torch.cpu._is_…_supported``), else the /proc/cpuinfo flag."""
+    import torch
+
+    fn = getattr(torch.cpu, probe, None)
+    if fn is not None:
+        try:
+            return bool(fn())
+        except Exception:
+            pass
+    return flag in flags
+
+
+def cpu_features(machine: str | None = None, capability: str | None = None) -> frozenset[str]:
+    """What an engine compiled here requires beyond its capability level, and whether bf16 is native.
+
+    On x86 at the AVX512 level AOTInductor also compiles for the host's AVX512-VNNI, AMX (``-mamx-tile -mamx-bf16``)
+    and AVX512-BF16 (``-mavx512bf16``) when it has them (``torch._inductor.cpu_vec_isa``: VecAVX512VNNI, VecAMX), so
+    such a ``.so`` may not run on an AVX512 CPU without them: they are named (read through torch's cpuinfo probes
+    — no compile — which can only name more than inductor used, never less). ``bf16`` is named where the CPU has
+    native bf16 matrix units: AVX512-BF16 or AMX at the AVX512 level (oneDNN's ``_is_mkldnn_bf16_supported()``
+    is no test of that on x86: it is also true on AVX512 CPUs without them, where oneDNN emulates bf16), or Arm's
+    BF16 extension (there ``_is_mkldnn_bf16_supported()`` is exactly that cpuinfo flag)."""
+    import torch
+
+    machine = machine or platform.machine()
+    capability = capability or cpu_capability()
+    flags = _proc_cpu_flags()
+    out: set[str] = set()
+    if machine in ("x86_64", "AMD64") and capability == "AVX512":
+        if _has("_is_vnni_supported", "avx512_vnni", flags):
+            out.add("avx512_vnni")
+        if _has("_is_amx_tile_supported", "amx_tile", flags):
+            out.add("amx_tile")
+        if _has("_is_avx512_bf16_supported", "avx512_bf16", flags):
+            out.add("avx512_bf16")
+        if "avx512_bf16" in out or ("amx_tile" in out and ("amx_bf16" in flags or not flags)):
+            out.add(BF16)
+    elif machine in ("aarch64", "arm64"):
+        try:
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                out.add(BF16)
+        except Exception:
+            pass
+    return frozenset(out)
+
+
+def host_cpu() -> str:
+    """This host as the ``cpu`` entry of a toolchain: ``<machine>-<capability>[+feature…]``, e.g.
+    ``x86_64-AVX2`` or ``x86_64-AVX512+amx_tile+avx512_bf16+avx512_vnni+bf16``. What a deployer passes to
+    ``kiln resolve --runtime cpu=…`` (``python -c 'from kiln.toolchain import host_cpu; print(host_cpu())'``)."""
+    machine, capability = platform.machine(), cpu_capability()
+    return format_cpu(machine, capability, cpu_features(machine, capability))
+
+
+def format_cpu(machine: str, capability: str, features) -> str:
+    return f"{machine}-{capability}" + "".join(f"+{f}" for f in sorted(features))
+
+
+def parse_cpu(value: str) -> tuple[str, str, frozenset[str]]:
+    """``x86_64-AVX512+avx512_vnni`` → (machine, capability, features)."""
+    head, *features = value.strip().split("+")
+    machine, _, capability = head.rpartition("-")
+    return machine, capability, frozenset(f for f in features if f)
+
+
+def cpu_bf16_native(cpu: str) -> bool:
+    """Whether a toolchain's ``cpu`` entry says native bf16 units."""
+    return BF16 in parse_cpu(cpu)[2]
+
+
+def cpu_incompatibility(built: str | None, asked: str) -> str | None:
+    """Why an engine compiled on CPU ``built`` (a toolchain's ``cpu`` entry) may not load on CPU ``asked``, or
+    None. Same machine; the engine's capability level at most the asked one's (AVX2 code runs on an AVX512 CPU,
+    never the reverse); every feature the engine names present on the asked CPU (an asked value names its
+    features: one that names none has none)."""
+    if not built:
+        return "built with cpu absent"
+    b_machine, b_level, b_features = parse_cpu(built)
+    a_machine, a_level, a_features = parse_cpu(asked)
+    if b_machine != a_machine:
+        return f"built for {b_machine}, asked {a_machine}"
+    levels = CPU_LEVELS.get(b_machine, ())
+    if b_level != a_level:
+        if b_level not in levels or a_level not in levels:
+            return f"built for {b_level}, asked {a_level}"
+        if levels.index(b_level) > levels.index(a_level):
+            return f"built for {b_level} code, which {a_level} cannot run"
+    missing = sorted(b_features - a_features)
+    if missing:
+        return f"built with {', '.join(missing)}, which the asked CPU lacks"
+    return None
 
 
 def toolchain_for(backend: str, target: str) -> dict[str, str]:
@@ -82,7 +196,7 @@ def _toolchain_for(backend: str, target: str) -> dict[str, str]:
     from kiln.backends import get_backend_info
 
     if target == "cpu":
-        tc["cpu"] = f"{platform.machine()}-{cpu_capability()}"
+        tc["cpu"] = host_cpu()
     readers = {"tensorrt_llm": lambda: tensorrt_llm_version() or ABSENT, "tensorrt": lambda: tensorrt_version() or ABSENT,
                "cuda": lambda: str(torch.version.cuda), "kiln_serving": lambda: SERVING_CONFIG_VERSION}
     for name in get_backend_info(backend).toolchain:  # what binds this backend's output (its descriptor says)

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from kiln.errors import SpecError
 from kiln.models import Artifact, Build, EngineName, TrackedModel
 from kiln.spec import BACKENDS, PRECISIONS, normalize_target
+from kiln.toolchain import cpu_incompatibility
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,18 @@ def parse_runtime(runtime: str | None) -> dict[str, str]:
 
 
 def incompatibility(provenance: dict | None, runtime: dict[str, str]) -> str | None:
-    """Engines load only on the exact toolchain that built them (TensorRT plan files check the version)."""
+    """Engines load only on the exact toolchain that built them (TensorRT plan files check the version) — except
+    the CPU, where an engine loads on the CPU it was compiled for and on any that has all it needs: ``cpu`` is
+    matched by :func:`kiln.toolchain.cpu_incompatibility` (an AVX512 ``.so`` never goes to an AVX2 runtime, an
+    AVX2 one may go to an AVX512 runtime)."""
     tc = (provenance or {}).get("toolchain", {})
-    bad = [f"{k} {tc.get(k, 'absent')} (asked {v})" for k, v in runtime.items() if tc.get(k) != v]
+    bad = []
+    for k, v in runtime.items():
+        if k == "cpu" and tc.get(k):
+            if (why := cpu_incompatibility(tc[k], v)) is not None:
+                bad.append(f"cpu {tc[k]} (asked {v}: {why})")
+        elif tc.get(k) != v:
+            bad.append(f"{k} {tc.get(k, 'absent')} (asked {v})")
     return "built with " + ", ".join(bad) if bad else None
 
 

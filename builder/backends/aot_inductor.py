@@ -28,15 +28,38 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 CUDA_COMPUTE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def compute_dtype(target: str, config: dict) -> torch.dtype:
-    """The dtype the engine computes in (weights dequantized into it; activation quantization emulated in float32
-    and cast back; logits returned in float32). A GPU target computes in the checkpoint's own dtype, as serving
-    runtimes do. The ``cpu`` target computes in float32: a ``cpu`` engine runs on whatever CPU deploys it, and
-    without native bf16 matrix units (AVX512-BF16 / AMX) bf16 is slower than float32 — measured 0.65 × on this
-    project's 2-core AMD EPYC machines (docs/performance.md)."""
-    if target == "cpu":
-        return torch.float32
-    return CUDA_COMPUTE.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
+def checkpoint_dtype(config: dict) -> str:
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def compute_choice(target: str, config: dict, cpu: str | None = None) -> tuple[torch.dtype, str]:
+    """The dtype the engine computes in, and why (weights dequantized into it; activation quantization emulated
+    in float32 and cast back; logits returned in float32).
+
+    A GPU target computes in the checkpoint's own dtype, as serving runtimes do. The ``cpu`` target computes a
+    bf16 checkpoint in bf16 where the build CPU has native bf16 matrix units (``cpu``: the toolchain's entry,
+    this host's by default, whose ``bf16`` feature says so: kiln/toolchain.py ``cpu_features``) and everything
+    else in float32: without native units (AVX2, or AVX512 without AVX512-BF16 / AMX) bf16 is the slower choice —
+    eager bf16 ran 0.65 × float32 on an AVX2-only AMD EPYC — while with them bf16 is the faster one (an AMX Xeon:
+    docs/performance.md). The toolchain's ``cpu`` entry is in the build key and matched by resolve, so a bf16
+    AVX512 engine is built again, not reused, on a CPU without them, and is never resolved for one."""
+    ckpt = checkpoint_dtype(config)
+    if target != "cpu":
+        return CUDA_COMPUTE.get(ckpt, torch.float32), f"a GPU target computes in the checkpoint's own dtype ({ckpt})"
+    from kiln.toolchain import cpu_bf16_native, toolchain_for
+
+    cpu = cpu or toolchain_for("aot-inductor", "cpu")["cpu"]
+    if ckpt != "bfloat16":
+        return torch.float32, f"the checkpoint is {ckpt}: a cpu engine computes in float32 unless it is bfloat16"
+    if cpu_bf16_native(cpu):
+        return torch.bfloat16, f"a bfloat16 checkpoint and the build CPU ({cpu}) has native bf16 units"
+    return torch.float32, (f"a bfloat16 checkpoint, but the build CPU ({cpu}) has no native bf16 units "
+                           "(AVX512-BF16 / AMX / Arm BF16), where float32 is faster")
+
+
+def compute_dtype(target: str, config: dict, cpu: str | None = None) -> torch.dtype:
+    """The dtype of :func:`compute_choice`."""
+    return compute_choice(target, config, cpu)[0]
 
 
 def release_export_graph() -> None:
@@ -86,7 +109,7 @@ class AOTInductorBackend(Backend):
         device = "cpu" if spec.target == "cpu" else "cuda"
         t0 = time.perf_counter()
         config = json.loads((quantized_dir / "hf" / "config.json").read_text())
-        dtype = compute_dtype(spec.target, config)
+        dtype, why = compute_choice(spec.target, config)
         built = load_engine_model(quantized_dir / "hf", dtype=dtype, for_export=True, device=device)
         ckpt = built.checkpoint
         positions = int(ckpt.config.get("max_position_embeddings", 0))
@@ -118,11 +141,16 @@ class AOTInductorBackend(Backend):
             "family": built.family.name, "model_class": type(built.model).__name__,
             "quant_algo": ckpt.quant_algo, "activation_quant_emulated": ckpt.quant_algo is not None,
             "emulation": built.emulation, "compute_dtype": str(dtype).removeprefix("torch."),
+            "compute_dtype_reason": why, "checkpoint_dtype": checkpoint_dtype(config),
             "kv_cache": "none (full-sequence forward, no KV cache)",
             "input": {"name": "input_ids", "dtype": "int64", "shape": [f"1..{p.max_batch_size}", f"1..{p.max_seq_len}"]},
             "output": {"name": "logits", "dtype": "float32", "shape": ["batch", "seq", int(ckpt.config["vocab_size"])]},
             "profile": p.model_dump(), "torch": torch.__version__,
         }
+        if device == "cpu":  # what the .so was compiled for and needs: the toolchain's entry, matched by resolve
+            from kiln.toolchain import toolchain_for
+
+            engine["cpu"] = toolchain_for(self.name, "cpu")["cpu"]
         (out_dir / "engine.json").write_text(json.dumps(engine, indent=2, sort_keys=True))
         return {"backend": self.name, "device": device,
                 "seconds": {"rebuild": round(t1 - t0, 3), "export": round(t2 - t1, 3), "compile": round(t3 - t2, 3)}}

@@ -303,7 +303,6 @@ def test_checkpoint_backend_copies_the_hf_export_and_writes_engine_json(nvfp4_ex
 
 
 @pytest.mark.parametrize("target,config,expected", [
-    ("cpu", {"dtype": "bfloat16"}, "float32"),  # a cpu engine computes in float32 (no native bf16 on most CPUs)
     ("sm90", {"dtype": "bfloat16"}, "bfloat16"),  # a GPU engine computes in the checkpoint's own dtype
     ("sm100", {"torch_dtype": "float16"}, "float16"),
     ("sm90", {"dtype": "float32"}, "float32"),
@@ -315,3 +314,93 @@ def test_the_aot_inductor_engine_computes_in_the_checkpoints_dtype_on_gpu_target
     from builder.backends.aot_inductor import compute_dtype
 
     assert compute_dtype(target, config) == getattr(torch, expected)
+
+
+@pytest.mark.parametrize("cpu,config,expected", [
+    ("x86_64-AVX2", {"dtype": "bfloat16"}, "float32"),  # no native bf16: float32 is the faster
+    ("x86_64-AVX512", {"dtype": "bfloat16"}, "float32"),  # AVX512 without AVX512-BF16 / AMX: bf16 is emulated
+    ("x86_64-AVX512+avx512_bf16+avx512_vnni+bf16", {"dtype": "bfloat16"}, "bfloat16"),
+    ("x86_64-AVX512+amx_tile+avx512_bf16+avx512_vnni+bf16", {"torch_dtype": "bfloat16"}, "bfloat16"),
+    ("x86_64-AVX512+amx_tile+avx512_bf16+avx512_vnni+bf16", {"dtype": "float32"}, "float32"),  # never below it
+    ("x86_64-AVX512+amx_tile+avx512_bf16+avx512_vnni+bf16", {"dtype": "float16"}, "float32"),
+    ("aarch64-DEFAULT+bf16", {"dtype": "bfloat16"}, "bfloat16"),
+])
+def test_a_cpu_engine_computes_bf16_only_for_a_bf16_checkpoint_on_native_bf16_units(cpu, config, expected):
+    import torch
+
+    from builder.backends.aot_inductor import compute_choice
+
+    dtype, why = compute_choice("cpu", config, cpu)
+    assert dtype == getattr(torch, expected)
+    assert (cpu in why) if config.get("dtype", config.get("torch_dtype")) == "bfloat16" else ("checkpoint is" in why)
+
+
+def _fake_cpu(monkeypatch, *, capability: str, probes: dict[str, bool], flags: set[str], machine: str = "x86_64"):
+    """This host's capability readers answering as another CPU would; the toolchain read again."""
+    import platform
+
+    import torch
+
+    from kiln import toolchain
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    for name in ("_is_vnni_supported", "_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda v=probes.get(name, False): v)
+    monkeypatch.setattr(toolchain, "_proc_cpu_flags", lambda: set(flags))
+    toolchain._toolchain_for.cache_clear()
+
+
+@pytest.mark.parametrize("capability,probes,flags,cpu,expected", [
+    ("AVX2", {}, {"avx2", "fma"}, "x86_64-AVX2", "float32"),  # AMD EPYC (Zen 2/3)
+    # ATEN_CPU_CAPABILITY=avx2 on an AMX Xeon: AVX2 code, no bf16 units used
+    ("AVX2", {"_is_vnni_supported": True, "_is_amx_tile_supported": True, "_is_avx512_bf16_supported": True},
+     {"avx2", "avx512f", "amx_bf16", "amx_tile", "avx512_bf16"}, "x86_64-AVX2", "float32"),
+    ("AVX512", {}, {"avx2", "avx512f"}, "x86_64-AVX512", "float32"),  # Skylake-SP
+    ("AVX512", {"_is_vnni_supported": True}, {"avx512f", "avx512_vnni"}, "x86_64-AVX512+avx512_vnni", "float32"),
+    ("AVX512", {"_is_vnni_supported": True, "_is_avx512_bf16_supported": True}, {"avx512f", "avx512_bf16"},
+     "x86_64-AVX512+avx512_bf16+avx512_vnni+bf16", "bfloat16"),  # Zen 4 / Cooper Lake
+    ("AVX512", {"_is_vnni_supported": True, "_is_amx_tile_supported": True, "_is_avx512_bf16_supported": True},
+     {"avx512f", "amx_bf16", "amx_tile", "avx512_bf16"}, "x86_64-AVX512+amx_tile+avx512_bf16+avx512_vnni+bf16",
+     "bfloat16"),  # Sapphire Rapids and later
+])
+def test_the_cpu_engines_dtype_and_toolchain_follow_the_capability_readers(monkeypatch, capability, probes, flags,
+                                                                           cpu, expected):
+    """Read, never assumed: the same build computes in float32 where the readers say "no native bf16" and in bf16
+    where they say there is, and the toolchain (the build key, what resolve matches) says which it was."""
+    import torch
+
+    from builder.backends.aot_inductor import compute_dtype
+    from kiln import toolchain
+
+    _fake_cpu(monkeypatch, capability=capability, probes=probes, flags=flags)
+    try:
+        assert toolchain.host_cpu() == cpu
+        assert toolchain.toolchain_for("aot-inductor", "cpu")["cpu"] == cpu
+        assert compute_dtype("cpu", {"dtype": "bfloat16"}) == getattr(torch, expected)
+        assert compute_dtype("cpu", {"dtype": "float32"}) == torch.float32
+    finally:
+        toolchain._toolchain_for.cache_clear()
+
+
+def test_the_bf16_engine_and_the_float32_engine_have_different_keys(monkeypatch):
+    from kiln import toolchain
+
+    keys = []
+    for bf16 in (False, True):
+        _fake_cpu(monkeypatch, capability="AVX512", probes={"_is_avx512_bf16_supported": bf16}, flags={"avx512f"})
+        keys.append(toolchain.toolchain_for("aot-inductor", "cpu"))
+    toolchain._toolchain_for.cache_clear()
+    assert keys[0]["cpu"] == "x86_64-AVX512" and keys[1]["cpu"] == "x86_64-AVX512+avx512_bf16+bf16"
+
+
+def test_arm_bf16_is_read_from_onednn(monkeypatch):
+    import torch
+
+    from kiln import toolchain
+
+    for native in (False, True):
+        _fake_cpu(monkeypatch, capability="DEFAULT", probes={}, flags={"asimd"}, machine="aarch64")
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda v=native: v)
+        assert toolchain.host_cpu() == ("aarch64-DEFAULT+bf16" if native else "aarch64-DEFAULT")
+    toolchain._toolchain_for.cache_clear()

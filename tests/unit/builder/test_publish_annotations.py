@@ -38,6 +38,8 @@ def registry(tmp_path: Path):
     ("trtllm-engine", "sm90", f"hf://acme/tiny@{'b' * 40}", "b" * 40,
      {"torch": "2.9", "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3"}, "tensorrt_llm=1.2.1,tensorrt=10.13.3"),
     ("aot-inductor", "cpu", "/ckpt/tiny", None, {"torch": "2.13.0+cpu"}, "torch=2.13.0+cpu"),
+    ("aot-inductor", "cpu", "/ckpt/tiny", None, {"torch": "2.13.0+cpu", "cpu": "x86_64-AVX512+avx512_bf16+bf16"},
+     "torch=2.13.0+cpu,cpu=x86_64-AVX512+avx512_bf16+bf16"),  # what resolve --runtime matches the CPU with
 ])
 def test_published_manifest_carries_standard_and_kiln_annotations(registry, tmp_path, backend, target, ref,
                                                                     revision, toolchain, runtime):

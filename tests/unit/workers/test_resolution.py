@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from sqlalchemy import event
 
 from api.app import create_app
+from artifacts.oci import read_manifest
 from builder.publish import publish as real_publish
 from kiln import db
 from kiln.errors import SpecError
@@ -46,7 +47,7 @@ class Index:
         self.sessions, self.store = self.app.state.sessions, self.app.state.store
         self.client = TestClient(self.app)
 
-    def publish(self, *, revision: str, slot, trtllm: str, passed: bool = True) -> Artifact:
+    def publish(self, *, revision: str, slot, trtllm: str, passed: bool = True, toolchain: dict | None = None) -> Artifact:
         n = next(counter)
         precision, profile, target, backend = slot
         spec = parse_spec({"checkpoint": f"hf://acme/tiny@{revision}", "model_name": MODEL, "precision": precision,
@@ -54,7 +55,7 @@ class Index:
         root = self.tmp / f"engine{n}"
         root.mkdir(parents=True)
         (root / "config.json").write_text(json.dumps({"n": n}))
-        provenance = {"created": "2026-01-01T00:00:00Z", "toolchain": {"tensorrt_llm": trtllm},
+        provenance = {"created": "2026-01-01T00:00:00Z", "toolchain": toolchain or {"tensorrt_llm": trtllm},
                       "checkpoint": {"ref": spec.checkpoint, "digest": f"sha256:{n:064x}", "revision": revision}}
         return real_publish(self.store, self.sessions, root, spec=spec, build_key=f"sha256:{n + 10**6:064x}",
                             provenance=provenance, validation={"passed": passed})
@@ -444,3 +445,56 @@ def test_incompatibility_names_each_component_built_otherwise_or_absent():
         "built with tensorrt_llm 1.2.1 (asked 1.2.0), cuda absent (asked 13)"
     assert incompatibility(None, {"tensorrt_llm": "1.2.1"}) == "built with tensorrt_llm absent (asked 1.2.1)"
     assert incompatibility({}, {"tensorrt_llm": "1.2.1"}) == "built with tensorrt_llm absent (asked 1.2.1)"
+
+
+AVX2 = "x86_64-AVX2"
+SKYLAKE = "x86_64-AVX512"  # AVX512 without VNNI, AVX512-BF16 or AMX
+ZEN4 = "x86_64-AVX512+avx512_bf16+avx512_vnni+bf16"
+SAPPHIRE_RAPIDS = "x86_64-AVX512+amx_tile+avx512_bf16+avx512_vnni+bf16"
+
+
+def test_a_cpu_engine_resolves_only_for_a_cpu_that_runs_its_code(tmp_path):
+    """An AVX512 / AMX ``.so`` never goes to an AVX2 runtime (it would not load: illegal instructions); an AVX2
+    one goes to an AVX512 runtime; features the engine was compiled with must all be on the asked CPU."""
+    index = Index(tmp_path)
+    track(index, rev(1))
+    avx2, amx = (index.publish(revision=rev(1), slot=ASKED, trtllm="", toolchain={"torch": "2.13.0+cpu", "cpu": cpu})
+                 for cpu in (AVX2, SAPPHIRE_RAPIDS))
+    with index.sessions() as s:
+        s.get(Artifact, avx2.digest).created_at = utcnow()
+        s.commit()
+        s.get(Artifact, amx.digest).created_at = utcnow()
+        s.commit()
+        served = {cpu: resolve_slot(s, ASKED, runtime=f"torch=2.13.0+cpu,cpu={cpu}").artifact.digest
+                  for cpu in (AVX2, SKYLAKE, ZEN4, SAPPHIRE_RAPIDS)}
+        assert served == {AVX2: avx2.digest, SKYLAKE: avx2.digest, ZEN4: avx2.digest, SAPPHIRE_RAPIDS: amx.digest}
+        assert resolve_slot(s, ASKED, runtime="cpu=aarch64-DEFAULT").code == "incompatible_runtime"
+        s.delete(s.get(Artifact, avx2.digest))
+        s.commit()
+        r = resolve_slot(s, ASKED, runtime=f"cpu={AVX2}")
+        assert (r.artifact, r.status, r.code) == (None, 409, "incompatible_runtime")
+        assert r.reason == (f"fresh engines for {WHAT} exist but none loads on cpu={AVX2}: {amx.digest[:19]}… built "
+                            f"with cpu {SAPPHIRE_RAPIDS} (asked {AVX2}: built for AVX512 code, which AVX2 cannot run)")
+        r = resolve_slot(s, ASKED, runtime=f"cpu={SKYLAKE}")
+        assert r.code == "incompatible_runtime" and r.reason.endswith(
+            "built with amx_tile, avx512_bf16, avx512_vnni, bf16, which the asked CPU lacks)")
+        # the published runtime annotation is a runtime= string that resolves to the engine itself
+        runtime = read_manifest(index.store, amx.digest)["annotations"]["dev.kiln.engine.runtime"]
+        assert runtime == f"torch=2.13.0+cpu,cpu={SAPPHIRE_RAPIDS}"
+        assert resolve_slot(s, ASKED, runtime=runtime).artifact.digest == amx.digest
+
+
+def test_cpu_incompatibility_orders_levels_and_requires_features():
+    from kiln.toolchain import cpu_incompatibility
+
+    assert cpu_incompatibility(AVX2, AVX2) is None and cpu_incompatibility(AVX2, SAPPHIRE_RAPIDS) is None
+    assert cpu_incompatibility(SAPPHIRE_RAPIDS, SAPPHIRE_RAPIDS) is None
+    assert cpu_incompatibility(ZEN4, SAPPHIRE_RAPIDS) is None  # SPR has everything Zen 4's code uses
+    assert cpu_incompatibility(SKYLAKE, AVX2) == "built for AVX512 code, which AVX2 cannot run"
+    assert cpu_incompatibility("x86_64-DEFAULT", AVX2) is None
+    assert cpu_incompatibility(SAPPHIRE_RAPIDS, ZEN4) == "built with amx_tile, which the asked CPU lacks"
+    assert cpu_incompatibility(AVX2, "aarch64-DEFAULT") == "built for x86_64, asked aarch64"
+    assert cpu_incompatibility("x86_64-ODD", "x86_64-AVX512") == "built for ODD, asked AVX512"
+    assert cpu_incompatibility(None, AVX2) == "built with cpu absent"
+    assert incompatibility({"toolchain": {"torch": "2.13"}}, {"cpu": AVX2}) == f"built with cpu absent (asked {AVX2})"
+    assert incompatibility({"toolchain": {"cpu": AVX2}}, {"cpu": ZEN4}) is None
