@@ -72,12 +72,29 @@ def accuracy_passed(report: dict) -> bool:
     return all(g["passed"] for g in report.get("gates", []) if g["name"] in ACCURACY_GATES)
 
 
-def screen(quantized: Path, reference, ids, seq: int, batch: int) -> dict:
-    """A rung's accuracy metrics, from its exported checkpoint computed eagerly."""
+def screen_dtype(spec: BuildSpec, quantized: Path):
+    """What the rung's engine would compute in: an aot-inductor engine's compute dtype (a bf16 checkpoint on a CPU
+    with native bf16 computes in bf16), float32 for the others (the checkpoint runner's)."""
+    import json
+
+    import torch
+
+    if spec.backend != "aot-inductor":
+        return torch.float32
+    from builder.backends.aot_inductor import compute_dtype
+
+    return compute_dtype(spec.target, json.loads((quantized / "hf" / "config.json").read_text()))
+
+
+def screen(quantized: Path, reference, ids, seq: int, batch: int, dtype=None) -> dict:
+    """A rung's accuracy metrics, from its exported checkpoint computed eagerly (in ``dtype``: float32 unless
+    given)."""
+    import torch
+
     from validation.measure import accuracy
     from validation.runners import CheckpointRunner
 
-    return accuracy(CheckpointRunner(quantized / "hf"), reference, ids, seq, batch)
+    return accuracy(CheckpointRunner(quantized / "hf", dtype or torch.float32), reference, ids, seq, batch)
 
 
 def climb(spec: BuildSpec, rungs: list[str], gates: dict[str, float], reference, ids, seq: int, batch: int,
@@ -90,7 +107,7 @@ def climb(spec: BuildSpec, rungs: list[str], gates: dict[str, float], reference,
     for name in rungs:
         qkey, qdir, q_seconds = quantize(spec.with_recipe(name))
         t = time.perf_counter()
-        metrics = screen(qdir, reference, ids, seq, batch)
+        metrics = screen(qdir, reference, ids, seq, batch, screen_dtype(spec, qdir))
         rung = Rung(name, qkey, qdir, metrics, evaluate(metrics, judged),
                     {"quantize": round(q_seconds, 3), "screen": round(time.perf_counter() - t, 3)}, "screen")
         tried.append(rung)

@@ -51,11 +51,11 @@ class CheckpointRunner:
 
     kv_cache = False
 
-    def __init__(self, checkpoint_dir: Path):
+    def __init__(self, checkpoint_dir: Path, dtype: torch.dtype = torch.float32):
         from kiln.hfmodel import LogitsOnly, load_engine_model
 
         self.device = "cpu"
-        self.built = load_engine_model(checkpoint_dir)
+        self.built = load_engine_model(checkpoint_dir, dtype=dtype)
         self._model = LogitsOnly(self.built.model).eval()
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
