@@ -66,7 +66,7 @@ def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: b
         "org.opencontainers.image.revision": checkpoint.get("revision") or checkpoint["digest"],
         f"{ANNOTATION_PREFIX}.engine.target": spec.target,
         f"{ANNOTATION_PREFIX}.engine.precision": spec.precision,
-        f"{ANNOTATION_PREFIX}.engine.recipe": spec.recipe_name,
+        f"{ANNOTATION_PREFIX}.engine.recipe": spec.rungs[0],  # the recipe built (a built spec names one)
         f"{ANNOTATION_PREFIX}.engine.profile": spec.batch_profile.name,
         f"{ANNOTATION_PREFIX}.engine.backend": spec.backend,
         f"{ANNOTATION_PREFIX}.engine.runtime": runtime_for(spec, provenance["toolchain"]),

@@ -38,7 +38,8 @@ WEIGHTS = {"tests/integration/test_cli_build.py": 650, "tests/integration/test_f
            "tests/integration/test_cli_ci.py": 220, "tests/integration/test_dashboard.py": 170,
            "tests/integration/test_freshness.py": 130, "tests/integration/test_gc.py": 100,
            "tests/integration/test_serve.py": 100, "tests/integration/test_security.py": 100,
-           "tests/integration/test_ci_remote.py": 70}
+           "tests/integration/test_ci_remote.py": 70, "tests/integration/test_real_fp8.py": 700,
+           "tests/integration/test_real_nvfp4.py": 450}
 
 
 def work_unit(nodeid: str) -> str:

@@ -18,7 +18,7 @@ from kiln import db
 from kiln.spec import parse_spec
 
 STANDARD = ("created", "source", "revision", "version", "title")
-KILN = ("target", "precision", "profile", "backend", "runtime")
+KILN = ("target", "precision", "profile", "backend", "runtime", "recipe")
 
 
 def sha(data: bytes) -> str:
@@ -69,6 +69,7 @@ def test_published_manifest_carries_standard_and_kiln_annotations(registry, tmp_
     assert a["org.opencontainers.image.revision"] == (revision or digest)  # no commit: the content digest
     assert (a["dev.kiln.engine.target"], a["dev.kiln.engine.precision"], a["dev.kiln.engine.profile"],
             a["dev.kiln.engine.backend"], a["dev.kiln.engine.runtime"]) == (target, "fp8", "balanced", backend, runtime)
+    assert a["dev.kiln.engine.recipe"] == "fp8"  # auto's first rung, the recipe this engine was built with
     labels = json.loads(store.get_bytes(manifest["config"]["digest"]))["config"]["Labels"]
     assert all(labels[f"dev.kiln.engine.{k}"] == a[f"dev.kiln.engine.{k}"] for k in KILN)
 

@@ -117,3 +117,10 @@ def test_the_pipeline_refuses_an_encoder_only_checkpoint_before_quantize(encoder
     assert info.value.field == "checkpoint" and "encoder-only" in info.value.message
     assert not (settings.cache_dir / "quantize").exists()
     assert [e["name"] for e in events if e.get("state") == "started"] == ["resolve"]
+
+
+def test_docs_models_md_has_the_generated_recipe_table():
+    from api.cli_models import recipe_table_markdown
+
+    text = (REPO / "docs" / "models.md").read_text()
+    assert recipe_table_markdown() in text, "regenerate with: kiln models --markdown"
