@@ -147,14 +147,19 @@ svg{display:block;margin:8px 0;max-width:100%;height:auto}
 """
 
 
+class _Html(str):
+    """A table cell that is markup already, its text parts escaped where it was made."""
+
+
 def _table(headers: list[str], rows: list[list[str]], num_cols: tuple[int, ...] = ()) -> str:
+    """Every cell is escaped, except :class:`_Html` ones: metric values come from the server (``kiln report``)."""
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = []
     for row in rows:
         cells = []
         for i, cell in enumerate(row):
             cls = ' class="num"' if i in num_cols else ""
-            cells.append(f"<td{cls}>{cell}</td>")
+            cells.append(f"<td{cls}>{cell if isinstance(cell, _Html) else escape(str(cell))}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -167,6 +172,12 @@ def _flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
     else:
         out.append((prefix.rstrip("."), d))
     return out
+
+
+#: The report page runs no script and loads nothing: the server's report route sends this policy, and the page
+#: carries it too, for a file written by ``kiln report --format html`` / ``kiln build --report-html``.
+REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'"
+CSP_META = f'<meta http-equiv="Content-Security-Policy" content="{REPORT_CSP}">'
 
 
 def render_html(doc: dict, *, status: str | None = None) -> str:
@@ -195,11 +206,11 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     for g in gates:
         ok = g.get("passed")
         extra = f" (against <code>{escape(str(g['against'])[:19])}…</code>)" if g.get("against") else ""
-        rows.append([escape(g["name"]) + extra, escape(_gate_value(g["name"], g["value"])),
-                     f"{_op(g['name'])} {escape(_gate_value(g['name'], g['threshold']))}",
-                     f'<span class="{"pass-cell" if ok else "fail-cell"}">{"pass" if ok else "FAIL"}</span>'])
+        rows.append([_Html(escape(str(g["name"])) + extra), _gate_value(g["name"], g["value"]),
+                     f"{_op(g['name'])} {_gate_value(g['name'], g['threshold'])}",
+                     _Html(f'<span class="{"pass-cell" if ok else "fail-cell"}">{"pass" if ok else "FAIL"}</span>')])
     for gname, why in _not_judged(doc).items():
-        rows.append([escape(gname), "—", "", f'<span class="skip-cell">not judged: {escape(why)}</span>'])
+        rows.append([gname, "—", "", _Html(f'<span class="skip-cell">not judged: {escape(str(why))}</span>')])
     parts.append("<h2>Gates</h2>" + _table(["gate", "value", "threshold", "verdict"], rows, (1,)))
 
     # accuracy
@@ -280,8 +291,8 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     if prev:
         t = reg.get("throughput") or {}
         parts.append(_table(["", "value"], [
-            ["previous engine", f"<code>{escape(str(prev.get('digest')))}</code> ({escape(str(prev.get('status')))}, "
-                                f"{escape(str(prev.get('created_at')))})"],
+            ["previous engine", _Html(f"<code>{escape(str(prev.get('digest')))}</code> "
+                                      f"({escape(str(prev.get('status')))}, {escape(str(prev.get('created_at')))})")],
             ["peak tokens/s, previous → now (best of reps)",
              f"{_fmt(t.get('previous_peak_tokens_per_s'))} → {_fmt(t.get('peak_tokens_per_s'))}"
              + (" (re-measured)" if t.get("rechecked") else "")],
@@ -289,7 +300,7 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
             ["perplexity increase, previous → now (%)",
              f"{_fmt(prev.get('ppl_increase_pct'))} → {_fmt(doc.get('ppl_increase_pct'))}"],
             ["accuracy regression (percentage points)", _fmt(reg.get("accuracy_regression_pct"))],
-            ["thresholds", escape(", ".join(f"{k} {v:g}" for k, v in (reg.get("thresholds") or {}).items()))],
+            ["thresholds", ", ".join(f"{k} {_fmt(v)}" for k, v in (reg.get("thresholds") or {}).items())],
         ]))
     else:
         parts.append("<p>No previous validated engine of this target: nothing to compare with.</p>")
@@ -304,16 +315,14 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
 
     # conditions and spec
     parts.append("<h2>Conditions</h2>" + _table(["condition", "value"], [
-        [escape(k), escape(_fmt(v) if not isinstance(v, (list, tuple)) else json.dumps(v))]
-        for k, v in _flatten(cond)]))
+        [k, _fmt(v) if not isinstance(v, (list, tuple)) else json.dumps(v)] for k, v in _flatten(cond)]))
     parts.append("<h2>Build spec</h2>" + _table(["field", "value"], [
-        [escape(k), escape(_fmt(v) if not isinstance(v, (list, tuple)) else json.dumps(v))]
-        for k, v in _flatten(doc.get("spec") or {})]))
+        [k, _fmt(v) if not isinstance(v, (list, tuple)) else json.dumps(v)] for k, v in _flatten(doc.get("spec") or {})]))
     parts.append("<h2>Toolchain</h2>" + _table(["tool", "version"], [
-        [escape(k), escape(str(v))] for k, v in sorted((doc.get("toolchain") or {}).items())]))
+        [k, str(v)] for k, v in sorted((doc.get("toolchain") or {}).items())]))
 
     title = f"{'PASS' if passed else 'FAIL'} — Kiln validation report {name}"
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">" + CSP_META +
             f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(parts)
             + "\n</body></html>\n")
 

@@ -15,7 +15,8 @@ Verdicts, per reference:
 - unsigned, or signed by a key that is not trusted → denied.
 
 The decision is a pure function of the review and the facts :func:`engine_facts` reads: one indexed statement per
-reference (the engine row, its tracked model's head, its signature referrers' key annotations). Crypto is not
+reference (the engine row, the head of the tracked model the reference's repository is — the rule resolve
+applies, whichever repository published the engine —, its signature referrers' key annotations). Crypto is not
 redone here: the index names the key that signed at publish, and `kiln pull --verify-key` checks the bytes.
 """
 
@@ -51,7 +52,7 @@ class EngineFacts:
     reason: str | None
     target: str
     revision: str | None
-    head: str | None  # the tracked model's current head, None when untracked
+    head: str | None  # the head of the repository the pod names (as resolve judges), None when it is untracked
     signed_by: frozenset[str] = field(default_factory=frozenset)  # keys that signed both files and provenance
 
 
@@ -252,7 +253,7 @@ def _facts_statement():
     a, m, r = Artifact.__table__, TrackedModel.__table__, Referrer.__table__
     return (select(a.c.digest, a.c.status, a.c.status_reason, a.c.target, a.c.checkpoint_revision, m.c.head_sha,
                    r.c.artifact_type, r.c.annotations)
-            .select_from(a.outerjoin(m, m.c.name == a.c.repository)
+            .select_from(a.outerjoin(m, m.c.name == bindparam("repository"))
                          .outerjoin(r, and_(r.c.subject == a.c.digest, r.c.artifact_type.in_(SIGNED_TYPES))))
             .where(a.c.digest == bindparam("digest")))
 
@@ -278,7 +279,7 @@ def engine_facts(session: Session, ref: ImageRef) -> EngineFacts | None:
         digest = session.execute(TAG_DIGEST, {"repository": ref.repository, "tag": ref.tag}).scalar()
         if digest is None:
             return None
-    rows = session.execute(FACTS, {"digest": digest}).all()
+    rows = session.execute(FACTS, {"digest": digest, "repository": ref.repository}).all()
     if not rows:
         return None
     first = rows[0]

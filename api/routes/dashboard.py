@@ -20,11 +20,11 @@ from kiln.errors import ArtifactUnknown, SpecError
 from kiln.models import Artifact, Tag
 from kiln.spec import PROFILES
 from validation import fit as fitting
+from validation.report import CSP_META, REPORT_CSP
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 router = APIRouter(tags=["dashboard"])
 MAX_FIT_REQUESTS = 200_000
-REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'"  # no script
 #: The dashboard runs only its own script and style, talks only to this server, and is never framed.
 DASHBOARD_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
                  "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
@@ -200,11 +200,10 @@ def report_html(digest: str, session: SessionDep):
     try:
         from validation.report import document_for_row, render_html
     except ImportError:  # a build without the report module: the minimal page
-        page = _report_page(row)
+        # the policy also in the page itself: the dashboard opens the report from a blob: URL, without these headers
+        page = _report_page(row).replace("<head>", f"<head>{CSP_META}", 1)
     else:
-        page = render_html(document_for_row(row), status=row.status)
-    # the policy also in the page itself: the dashboard opens the report from a blob: URL, without these headers
-    page = page.replace("<head>", f'<head><meta http-equiv="Content-Security-Policy" content="{REPORT_CSP}">', 1)
+        page = render_html(document_for_row(row), status=row.status)  # which carries the policy itself
     return HTMLResponse(page, headers={"Content-Security-Policy": REPORT_CSP, "Cache-Control": "no-cache",
                                        **PAGE_HEADERS})
 

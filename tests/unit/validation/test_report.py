@@ -175,7 +175,7 @@ def test_html_is_self_contained(passing, failing):
         assert "<script" not in html.lower().replace("&lt;script", "")
         assert not re.search(r"""(src|href)\s*=""", html, re.I)
         assert not re.search(r"url\(", html) and "@import" not in html
-        assert "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+        assert "http" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "").replace('<meta http-equiv=', "")
 
 
 def test_html_of_a_failed_engine_says_fail_first_and_why(failing):
@@ -217,3 +217,26 @@ def test_every_format_renders_an_engine_validated_before_reports_existed():
     assert ET.fromstring(render(legacy, "junit").split("\n", 1)[1]).get("tests") == "0"
     with pytest.raises(ValueError):
         render(legacy, "pdf")
+
+
+def test_html_escapes_every_cell_and_carries_the_report_csp(passing):
+    """``kiln report --format html`` writes what the server sent: metric values went into table cells unescaped."""
+    import copy
+
+    from validation.report import REPORT_CSP
+
+    evil = '<img src=x onerror="alert(1)">'
+    doc = copy.deepcopy(passing)
+    doc["throughput"] = [{**p, "tokens_per_s_best": evil, "reps": evil} for p in doc.get("throughput") or []]
+    doc["latency"] = [{"batch_size": evil, "prompt_len": 1, "new_tokens": 1, "ttft_ms": evil, "tpot_ms": 1.0}]
+    doc["conditions"] = {**(doc.get("conditions") or {}), evil: evil}
+    doc["toolchain"] = {evil: evil}
+    doc["spec"] = {**(doc.get("spec") or {}), "model_name": evil}
+    doc["gates"] = [{**g, "value": evil} for g in doc.get("gates") or []]
+    doc["regression"] = {"previous": {"digest": evil, "status": evil, "created_at": evil, "ppl_increase_pct": 1.0},
+                         "throughput": {"previous_peak_tokens_per_s": evil, "peak_tokens_per_s": evil},
+                         "throughput_drop_pct": evil, "accuracy_regression_pct": evil, "thresholds": {evil: 1.0}}
+    html = render_html(doc)
+    assert "<img" not in html and "&lt;img src=x" in html
+    head = html.split("</head>", 1)[0]
+    assert f'<meta http-equiv="Content-Security-Policy" content="{REPORT_CSP}">' in head

@@ -518,3 +518,26 @@ def test_the_review_envelope_operations_and_every_reference_judged():
         with pytest.raises(ValueError) as err:
             decide(bad)
         assert str(err.value) == words
+
+
+def test_staleness_is_judged_by_the_head_of_the_repository_the_pod_names(tmp_path):
+    """As resolve does: an engine B published, named through repository A, is stale for A once it is not A's head,
+    whatever B's head says. Before, admission read the publisher's (B's) tracked head only."""
+    from kiln.models import TrackedModel
+
+    app = index_app()
+    client = TestClient(app, base_url=f"http://{HOST}")
+    engine = publish_engine(app, tmp_path, "shared", model="acme/tiny", revision="a" * 40)
+    with app.state.sessions() as s:
+        s.add(TrackedModel(name="acme/tiny", checkpoint="hf://acme/tiny@main", head_sha="a" * 40))
+        s.add(TrackedModel(name="other/tiny", checkpoint="hf://acme/tiny@release", head_sha="b" * 40))
+        s.commit()
+
+    def post(repository):
+        body = pod_create(image=f"{HOST}/{repository}@{engine.digest}")
+        return client.post("/v1/admission/validate", json=body).json()["response"]
+
+    assert post("acme/tiny")["allowed"] is True
+    r = post("other/tiny")
+    assert r["allowed"] is False and f"the tracked head is {'b' * 40}" in r["status"]["message"]
+    assert post("untracked/tiny")["allowed"] is True  # no tracked head to be behind
