@@ -14,7 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
+    # an empty variable means "not set" (a manifest's `KILN_S3_ENDPOINT_URL: ""` is AWS S3, not an endpoint of "")
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore", env_ignore_empty=True)
 
     home: Path = Field(default_factory=lambda: Path(os.environ["HOME"]) / ".kiln" if os.environ.get("HOME")
                        else Path("/var/lib/kiln"))
