@@ -55,6 +55,8 @@ def report_document(digest: str, *, repository: str, tag: str, provenance: dict,
         "not_judged": dict(validation.get("not_judged")
                            or ((validation.get("regression") or {}).get("not_judged") or {})),
         "regression": validation.get("regression"),
+        # the recipe built and, when --recipe auto climbed its ladder, every rung tried (builder/ladder.py)
+        "quantization": validation.get("recipe") or provenance.get("quantization"),
         "conditions": validation.get("conditions") or {},
         "stages": [{"name": s.get("name"), "status": s.get("status"), "seconds": s.get("seconds", 0.0)}
                    for s in provenance.get("stages") or []],
@@ -212,6 +214,7 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     for gname, why in _not_judged(doc).items():
         rows.append([gname, "—", "", _Html(f'<span class="skip-cell">not judged: {escape(str(why))}</span>')])
     parts.append("<h2>Gates</h2>" + _table(["gate", "value", "threshold", "verdict"], rows, (1,)))
+    parts += _recipe_section(doc.get("quantization") or {})
 
     # accuracy
     reg = doc.get("regression") or {}
@@ -332,6 +335,30 @@ def _pct(v: Any) -> Any:
 
 
 # -- JUnit XML -------------------------------------------------------------------------------------
+def _seconds(v: Any) -> str:
+    return f"{v:.1f} s" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def _recipe_section(q: dict) -> list[str]:
+    """The recipe built; with ``--recipe auto``, one row per rung the ladder tried."""
+    if not q:
+        return []
+    out = [f"<h2>Recipe</h2><p>built with <code>{escape(str(q.get('built')))}</code> "
+           f"(requested <code>{escape(str(q.get('requested')))}</code>)</p>"]
+    rungs = q.get("ladder") or []
+    if rungs:
+        rows = []
+        for r in rungs:
+            m = r.get("metrics") or {}
+            failed = ", ".join(str(g.get("name")) for g in r.get("gates") or [] if not g.get("passed"))
+            rows.append([r.get("recipe"), _fmt(m.get("ppl_increase_pct")), _fmt(m.get("top1_agreement")),
+                         _fmt(m.get("mean_kl")), r.get("judged_on"), "pass" if r.get("passed") else f"FAIL {failed}",
+                         ", ".join(f"{k} {_seconds(v)}" for k, v in (r.get("seconds") or {}).items())])
+        out.append(_table(["rung", "perplexity increase %", "top-1", "mean KL", "judged on", "verdict", "seconds"],
+                          rows, (1, 2, 3)))
+    return out
+
+
 def render_junit(doc: dict) -> str:
     """One ``<testcase>`` per gate: a ``<failure>`` for a failed gate, ``<skipped>`` for a regression gate that
     could not be judged (no previous engine, different conditions)."""

@@ -240,3 +240,22 @@ def test_html_escapes_every_cell_and_carries_the_report_csp(passing):
     assert "<img" not in html and "&lt;img src=x" in html
     head = html.split("</head>", 1)[0]
     assert f'<meta http-equiv="Content-Security-Policy" content="{REPORT_CSP}">' in head
+
+
+def test_the_report_shows_every_rung_the_ladder_tried_escaped(real):
+    provenance, validation = copy.deepcopy(real)
+    validation["recipe"] = {"requested": "auto", "built": "fp8-pcpt", "ladder": [
+        {"recipe": "fp8", "passed": False, "judged_on": "engine", "seconds": {"validate": 12.5},
+         "metrics": {"ppl_increase_pct": 3.51, "top1_agreement": 0.86, "mean_kl": 0.065},
+         "gates": [{"name": "max_ppl_increase_pct", "passed": False}, {"name": "<script>x</script>", "passed": False}]},
+        {"recipe": "fp8-pcpt", "passed": True, "judged_on": "screen", "seconds": {"quantize": 4.0, "screen": 9.0},
+         "metrics": {"ppl_increase_pct": 1.19, "top1_agreement": 0.87, "mean_kl": 0.054}, "gates": []}]}
+    doc = doc_of(provenance, validation)
+    assert doc["quantization"]["built"] == "fp8-pcpt" and len(doc["quantization"]["ladder"]) == 2
+    html = render_html(doc)
+    section = html[html.index("<h2>Recipe</h2>"):]
+    section = section[:section.index("<h2>", 5)]
+    assert "fp8-pcpt" in section and "requested <code>auto</code>" in section
+    assert section.count("<tr>") == 3  # the header and one row per rung
+    assert "FAIL max_ppl_increase_pct" in section and "3.51" in section and "screen 9.0 s" in section
+    assert "<script>" not in section and "&lt;script&gt;" in section
