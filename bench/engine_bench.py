@@ -3,11 +3,19 @@ transformers running the same checkpoint in its own dtype (bf16) and in float32,
 point of the envelope, in one process, alternating who runs first; and what the FP8 emulation costs (the
 engine's model run eagerly with and without its activation fake-quantizers).
 
-    python bench/engine_bench.py [--layers 8 --hidden 512 --rounds 5]
+    python bench/engine_bench.py [--layers 8 --hidden 512 --rounds 5] [--checkpoint DIR]
 
 The checkpoint is made here: a Llama-3-shaped model (bf16, sharded safetensors, random weights, the shipped
-tiny model's tokenizer), about 30 M parameters by default. The engine is what ``kiln build --backend
-aot-inductor --precision fp8`` makes of it (a ``kiln build`` in a process of its own, on the embedded defaults).
+tiny model's tokenizer), about 25 M parameters by default (``--layers`` / ``--hidden`` size it), or
+``--checkpoint DIR`` (any local checkpoint; eager runs in its config's dtype and in float32). The engine is what
+``kiln build --backend aot-inductor --precision fp8`` makes of it (a ``kiln build`` in a process of its own, on
+the embedded defaults). The CPU is named first (model name, capability, what the engine's toolchain says —
+``+bf16`` where bf16 units are native — and oneDNN's bf16 support): the engine computes in bf16 there and in
+float32 elsewhere (builder/backends/aot_inductor.py ``compute_choice``).
+
+The float32 path of a CPU without native bf16 can be forced on one that has it: run with
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` (ATen, AOTInductor, oneDNN and
+MKL then all generate or pick AVX2 code; the toolchain reads ``x86_64-AVX2`` and the engine computes in float32).
 
 Target (issue 17): the engine's prefill tokens/s ≥ eager transformers in the checkpoint's own dtype at every
 measured point. Ratios are medians over rounds of per-round ratios; each figure is the fastest of ``--reps``
@@ -58,6 +66,18 @@ def make_checkpoint(out: Path, layers: int, hidden: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def count_params(ckpt: Path) -> int:
+    import math
+
+    from safetensors import safe_open
+
+    total = 0
+    for f in ckpt.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
+
+
 def build(ckpt: Path, home: Path) -> tuple[Path, Path]:
     env = {**os.environ, "KILN_HOME": str(home), "KILN_CHECKPOINT_ROOTS": str(ckpt.parent)}
     p = PROFILE
@@ -74,6 +94,28 @@ def build(ckpt: Path, home: Path) -> tuple[Path, Path]:
     engine = next(d for d in (home / "cache" / "compile").iterdir() if (d / "model.pt2").is_file())
     quantized = next(d for d in (home / "cache" / "quantize").iterdir() if (d / "hf").is_dir()) / "hf"
     return engine, quantized
+
+
+def cpu_line() -> str:
+    """This CPU, named: model, ATen capability, the toolchain's cpu entry (what the engine needs and whether bf16
+    is native), oneDNN's bf16 support (true on AVX512 CPUs that only emulate bf16), env overrides in force."""
+    import platform
+
+    import torch
+
+    from kiln.toolchain import host_cpu
+
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.lower().startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    env = ", ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                     "MKL_ENABLE_INSTRUCTIONS") if k in os.environ)
+    return (f"cpu: {model}; {os.cpu_count()} logical cores, torch {torch.get_num_threads()} threads; capability "
+            f"{torch.backends.cpu.get_cpu_capability()}; toolchain cpu {host_cpu()}; "
+            f"mkldnn bf16 supported {torch.ops.mkldnn._is_mkldnn_bf16_supported()}" + (f"; env {env}" if env else ""))
 
 
 def fastest(fn, x, reps: int) -> float:
@@ -96,6 +138,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--work", type=Path, help="reuse the checkpoint and engine an earlier run left in this folder")
+    ap.add_argument("--out", type=Path, help="make the checkpoint and engine in this folder (default: a temporary one)")
+    ap.add_argument("--checkpoint", type=Path, help="bench this local checkpoint instead of making one (copied)")
     args = ap.parse_args()
 
     import torch
@@ -104,34 +148,43 @@ def main() -> None:
     from kiln.hfmodel import LogitsOnly, load_engine_model
     from validation.runners import AOTInductorRunner
 
-    work = args.work or Path(tempfile.mkdtemp(prefix="kiln-engine-bench-"))
+    work = args.work or args.out or Path(tempfile.mkdtemp(prefix="kiln-engine-bench-"))
+    print(f"work: {work}")
     ckpt = work / "ckpt"
     if args.work:
-        from safetensors import safe_open
-
-        params = sum(int(torch.tensor(safe_open(str(f), "pt").get_slice(k).get_shape()).prod())
-                     for f in ckpt.glob("*.safetensors") for k in safe_open(str(f), "pt").keys())
+        params = count_params(ckpt)
         engine_dir = next(d for d in (work / "home" / "cache" / "compile").iterdir() if (d / "model.pt2").is_file())
         quantized = next(d for d in (work / "home" / "cache" / "quantize").iterdir() if (d / "hf").is_dir()) / "hf"
     else:
-        params = make_checkpoint(ckpt, args.layers, args.hidden)
+        if args.checkpoint:
+            import shutil
+
+            shutil.copytree(args.checkpoint, ckpt)
+            params = count_params(ckpt)
+        else:
+            params = make_checkpoint(ckpt, args.layers, args.hidden)
         engine_dir, quantized = build(ckpt, work / "home")
-    print(f"checkpoint: Llama-3 shape, {params / 1e6:.1f} M parameters, bf16, "
+    config = json.loads((ckpt / "config.json").read_text())
+    own = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    print(cpu_line())
+    print(f"checkpoint: {args.checkpoint or 'Llama-3 shape (made here)'}, {params / 1e6:.1f} M parameters, {own}, "
           f"{len(list(ckpt.glob('*.safetensors')))} shards; torch {torch.__version__}, {torch.get_num_threads()} threads")
     meta = json.loads((engine_dir / "engine.json").read_text())
-    print(f"engine: {meta['format']}, computes in {meta.get('compute_dtype', 'float32')}, {meta['precision']}")
+    print(f"engine: {meta['format']}, computes in {meta.get('compute_dtype', 'float32')} "
+          f"({meta.get('compute_dtype_reason', 'recorded before the reason was')}), {meta['precision']}")
 
     engine = AOTInductorRunner(engine_dir)
     eager = {dt: AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dt)).eval()
-             for dt in ("bfloat16", "float32")}
-    emulated = LogitsOnly(load_engine_model(quantized).model).eval()
-    plain_model = load_engine_model(quantized).model
+             for dt in dict.fromkeys((own, "float32"))}
+    computes = getattr(torch, meta.get("compute_dtype", "float32"))  # eager emulation in the engine's own dtype
+    emulated = LogitsOnly(load_engine_model(quantized, dtype=computes).model).eval()
+    plain_model = load_engine_model(quantized, dtype=computes).model
     for module in plain_model.modules():
         module._forward_pre_hooks.clear()  # the same dequantized weights, activations not fake-quantized
     plain = LogitsOnly(plain_model).eval()
     runs = {
         "engine": engine.logits,
-        "eager_bf16": lambda x: eager["bfloat16"](input_ids=x, use_cache=False).logits,
+        "eager_own": lambda x: eager[own](input_ids=x, use_cache=False).logits,
         "eager_fp32": lambda x: eager["float32"](input_ids=x, use_cache=False).logits,
         "eager_fp8_emulated": emulated,
         "eager_dequantized_only": plain,
@@ -145,22 +198,24 @@ def main() -> None:
             for name in order:
                 rows[(b, s)][name].append(b * s / fastest(runs[name], x, args.reps))
     print(f"\nprefill tokens/s (fastest of {args.reps} after a warm-up; medians over {args.rounds} rounds) and ratios")
-    print(f"{'batch x seq':>12} {'engine':>9} {'eager bf16':>11} {'eager fp32':>11} {'engine/bf16':>12} "
+    short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(own, own)
+    print(f"{'batch x seq':>12} {'engine':>9} {'eager ' + short:>11} {'eager fp32':>11} {'engine/' + short:>12} "
           f"{'engine/fp32':>12} {'emulation cost':>15}")
     out = []
     for (b, s), r in rows.items():
         med = {k: statistics.median(v) for k, v in r.items()}
-        vs_bf16 = statistics.median(e / x for e, x in zip(r["engine"], r["eager_bf16"]))
+        vs_own = statistics.median(e / x for e, x in zip(r["engine"], r["eager_own"]))
         vs_fp32 = statistics.median(e / x for e, x in zip(r["engine"], r["eager_fp32"]))
         emul = statistics.median(p / q for p, q in zip(r["eager_dequantized_only"], r["eager_fp8_emulated"]))
-        print(f"{b:>5} x {s:<5} {med['engine']:9.0f} {med['eager_bf16']:11.0f} {med['eager_fp32']:11.0f} "
-              f"{vs_bf16:11.2f}x {vs_fp32:11.2f}x {emul:14.2f}x")
+        print(f"{b:>5} x {s:<5} {med['engine']:9.0f} {med['eager_own']:11.0f} {med['eager_fp32']:11.0f} "
+              f"{vs_own:11.2f}x {vs_fp32:11.2f}x {emul:14.2f}x")
         out.append({"batch": b, "seq": s, **{k: round(v, 1) for k, v in med.items()},
-                    "engine_over_eager_bf16": round(vs_bf16, 3), "engine_over_eager_fp32": round(vs_fp32, 3),
+                    "engine_over_eager_own_dtype": round(vs_own, 3), "engine_over_eager_fp32": round(vs_fp32, 3),
                     "emulation_slowdown": round(emul, 3)})
     print("(emulation cost: eager time with the FP8 activation fake-quantizers over eager time without them, "
           "same dequantized weights)")
-    print(json.dumps({"params": params, "points": out}))
+    print(json.dumps({"params": params, "checkpoint_dtype": own, "compute_dtype": meta.get("compute_dtype"),
+                      "cpu": cpu_line(), "points": out}))
 
 
 if __name__ == "__main__":

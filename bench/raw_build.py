@@ -12,8 +12,9 @@ gates, report, layer survey or publish.
   copy of the model), the tokenizer saved beside it. Only the unified HF checkpoint: the stage exports nothing
   else.
 - compile: the engine model from ``hf/`` by ``kiln.hfmodel.load_engine_model(dtype=…, for_export=True)``
-  (transformers' own model of the family in the backend's compute dtype, ``compute_dtype``: float32 for the cpu
-  target; weights dequantized, activation quantization emulated) wrapped in
+  (transformers' own model of the family in the backend's compute dtype, ``compute_dtype``: for the cpu target
+  bf16 for a bf16 checkpoint on native bf16 units, else float32; weights dequantized, activation quantization
+  emulated) wrapped in
   ``LogitsOnly``; ``torch.export.export(strict=False)`` with the profile's limits as dynamic shapes;
   ``torch._inductor.aoti_compile_and_package``.
 - validate: ``AOTInductorRunner`` over the package and ``TransformersRunner`` over the source checkpoint
