@@ -39,7 +39,7 @@ WEIGHTS = {"tests/integration/test_cli_build.py": 650, "tests/integration/test_f
            "tests/integration/test_freshness.py": 130, "tests/integration/test_gc.py": 100,
            "tests/integration/test_serve.py": 100, "tests/integration/test_security.py": 100,
            "tests/integration/test_ci_remote.py": 70, "tests/integration/test_real_fp8.py": 700,
-           "tests/integration/test_real_nvfp4.py": 450}
+           "tests/integration/test_real_nvfp4.py": 450, "tests/integration/test_ladder.py": 150}
 
 
 def work_unit(nodeid: str) -> str:
