@@ -59,11 +59,6 @@ class Rung:
                 "gates": self.gates, "seconds": self.seconds, "quantize_key": self.quantize_key}
 
 
-def rungs_for(spec: BuildSpec) -> list[str]:
-    """The ladder's rungs this spec's backend can build, in order (a named recipe: itself)."""
-    return spec.rungs
-
-
 def accuracy_gates(gates: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in gates.items() if k in ACCURACY_GATES}
 

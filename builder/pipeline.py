@@ -121,7 +121,7 @@ class Builder:
         toolchain = toolchain_for(spec.backend, spec.target)
         gates = effective_gates(spec.precision, spec.gates)
         data = {"calibration": calib_digest, "evaluation": eval_digest}
-        first = spec.with_recipe(ladder_stage.rungs_for(spec)[0]) if spec.recipe_name == AUTO else spec
+        first = spec.with_recipe(spec.rungs[0])
         qkey = quantize_key(resolved.digest, first, toolchain, calib_digest)
         prepared = Prepared(spec, resolved, config, toolchain, gates, calib_text, eval_text, data, qkey,
                             compile_key(qkey, first, toolchain), build_key(resolved.digest, spec, toolchain, gates, data),
@@ -151,7 +151,7 @@ class Builder:
                        "compile": self.stage_cache.where("compile", p.compile_key) is not None},
             "compile": get_backend(p.spec.backend).plan(p.first, qdir, cdir), "environment": environment,
             "recipe": p.spec.recipe_name,
-            **({"ladder": ladder_stage.rungs_for(p.spec)} if p.spec.recipe_name == AUTO else {}),
+            **({"ladder": p.spec.rungs} if p.spec.recipe_name == AUTO else {}),
         }
 
     # -- running ---------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ class Builder:
         t = time.perf_counter()
         report = check(first, cdir, before_timing)
         built, built_dir, tried = first, cdir, None
-        rest = ladder_stage.rungs_for(spec)[1:] if spec.recipe_name == AUTO else []
+        rest = spec.rungs[1:]
         if rest and not ladder_stage.accuracy_passed(report):
             tried = [ladder_stage.Rung.validated(first.recipe_name, p.quantize_key, report, time.perf_counter() - t)]
             ids, seq = eval_tokens(p.resolved.local_dir, p.eval_text, spec)

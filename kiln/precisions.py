@@ -41,8 +41,12 @@ def dequantize_fp8(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor | 
 def fake_quant_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Quantize-dequantize with a per-tensor scale, computed in float32 whatever ``x``'s dtype (a bf16 engine's
     activations round as the exported scale says, not as bf16's 8-bit mantissa would), returned in ``x``'s dtype."""
-    y = x.float()
-    return ((y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)
+    return _fp8_qdq(x.float(), scale).to(x.dtype)
+
+
+def _fp8_qdq(y: torch.Tensor, scale) -> torch.Tensor:
+    """float32 ``y`` through e4m3 at ``scale`` (a number, or a tensor broadcasting over ``y``) and back."""
+    return (y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale
 
 
 #: the smallest per-token scale: an all-zero token stays zero instead of dividing by zero
@@ -54,7 +58,7 @@ def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     :func:`fake_quant_fp8`, returned in ``x``'s dtype."""
     y = x.float()
     scale = (y.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_TOKEN_SCALE)
-    return ((y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)
+    return _fp8_qdq(y, scale).to(x.dtype)
 
 
 # -- NVFP4 -------------------------------------------------------------------------------------------

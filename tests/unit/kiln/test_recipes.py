@@ -79,10 +79,8 @@ def test_a_recipe_its_backend_cannot_build_is_refused():
 
 
 def test_auto_skips_rungs_its_backend_cannot_build():
-    from builder.ladder import rungs_for
-
-    assert rungs_for(spec(backend="trtllm-engine", target="sm90")) == ["fp8"]
-    assert rungs_for(spec()) == list(PRECISIONS["fp8"].ladder)
+    assert spec(backend="trtllm-engine", target="sm90").rungs == ["fp8"]
+    assert spec().rungs == list(PRECISIONS["fp8"].ladder) and spec(recipe="fp8-pcpt").rungs == ["fp8-pcpt"]
 
 
 @pytest.mark.parametrize("layers, message", [([0, 0], "twice"), (list(range(65)), "at most")])
