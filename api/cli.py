@@ -107,7 +107,8 @@ def spec_from_options(checkpoint: str, o: dict) -> dict:
     spec = {"checkpoint": checkpoint, "precision": o["precision"], "kv_cache": o["kv_cache"], "profile": profile,
             "target": o["target"], "backend": o["backend"], "tp_size": o["tp"], "gates": _parse_gates(o["gate"]),
             "calibration": {"dataset": o["calib_dataset"], "samples": o["calib_samples"], "seq_len": o["calib_seq_len"]},
-            "evaluation": {"dataset": o["eval_dataset"], "seq_len": o["eval_seq_len"], "max_tokens": o["eval_max_tokens"]}}
+            "evaluation": {"dataset": o["eval_dataset"], "seq_len": o["eval_seq_len"], "max_tokens": o["eval_max_tokens"],
+                           "tasks": list(o.get("eval_task") or ()), "sequential": not o.get("eval_all")}}
     if o.get("recipe"):
         spec["recipe"] = o["recipe"]
     if o.get("unquantized_layers"):
@@ -165,13 +166,33 @@ def _print_summary(out: dict) -> None:
             extra.append(f"peak memory {m['peak_memory_bytes'] / 2**20:,.0f} MiB at the envelope corner")
         if extra:
             click.echo("  " + ", ".join(extra))
+        seq = m.get("sequential") or {}
+        if seq:
+            click.echo(f"  evaluated {seq['windows']} of {seq['of']} windows ({m.get('tokens', 0):,} tokens)"
+                       + (": stopped once every accuracy gate was decided" if seq.get("stopped_early") else "")
+                       + f"; intervals at {seq['confidence_per_look'] * 100:.1f} % per look, "
+                       f"{(1 - seq['alpha']) * 100:.0f} % over {len(seq['looks'])} looks")
+        for t in m.get("tasks") or []:
+            iv = t["interval"]
+            click.echo(f"  task {t['task']}: engine {t['engine_accuracy'] * 100:.1f}% vs reference "
+                       f"{t['reference_accuracy'] * 100:.1f}% on {t['items']} items, drop {t['drop_pts']:+.2f} pts "
+                       f"[{iv['low']:+.2f}, {iv['high']:+.2f}], detectable {t['mde_pts']:.2f} pts")
         for g in v.get("gates", []):
-            op = "≤" if g["name"].startswith("max_") else "≥"
-            click.echo(f"  gate {g['name']:<22} {g['value']:>12.4f} {op} {g['threshold']:<10g} {'pass' if g['passed'] else 'FAIL'}")
+            click.echo("  " + gate_line(g))
     _print_recipe(v.get("recipe") or {})
     a = out.get("artifact") or {}
     if out.get("digest"):
         click.echo(f"engine {out['digest']}  {a.get('repository')}:{a.get('tag')}  [{a.get('status')}]")
+
+
+def gate_line(g: dict) -> str:
+    """``gate NAME  value [low, high] ≤ threshold  pass|FAIL|UNDECIDED``."""
+    op = "≤" if g["name"].startswith("max_") else "≥"
+    name = g["name"] + (f"[{g['task']}]" if g.get("task") else "")
+    interval = f" [{g['interval'][0]:.4g}, {g['interval'][1]:.4g}]" if g.get("interval") else ""
+    decision = g.get("decision") or ("pass" if g["passed"] else "fail")
+    word = {"pass": "pass", "fail": "FAIL", "undecided": "UNDECIDED (evaluate more to decide)"}.get(decision, decision)
+    return f"gate {name:<22} {g['value']:>12.4f}{interval} {op} {g['threshold']:<10g} {word}"
 
 
 def _print_recipe(recipe: dict) -> None:
@@ -213,6 +234,9 @@ def _print_recipe(recipe: dict) -> None:
 @click.option("--eval-dataset", default="kiln:heldout", show_default=True)
 @click.option("--eval-seq-len", default=128, show_default=True, type=int)
 @click.option("--eval-max-tokens", default=16384, show_default=True, type=int)
+@click.option("--eval-task", multiple=True, metavar="PATH", help="an evaluation task: lm-eval task YAML or "
+              "multiple-choice .jsonl (docs/tasks.md); repeatable")
+@click.option("--eval-all", is_flag=True, help="evaluate every window, not only until the accuracy gates are decided")
 @click.option("--gate", multiple=True, help="override a validation gate: name=value (repeatable)")
 @click.option("--override-reason", help="why gates are looser than the defaults, the evaluation shorter, or the "
               "regression gate changed (required for any of them; recorded)")

@@ -99,7 +99,7 @@ def plan_gc(session: Session, store: BlobStore, *, keep: int = 2, older_than: ti
             needed |= _reachable(store, r.digest)
     # stage outputs a servable engine was built from (a profile-only rebuild reuses them), or recently used
     wanted = {(a.provenance or {}).get(k) for a in kept if a.status == "fresh" or a.digest in tagged
-              for k in ("quantize_key", "compile_key")}
+              for k in ("quantize_key", "compile_key", "reference_key")}
     for out in session.scalars(select(StageOutput)):
         if out.key in wanted or _aware(out.last_used_at) > now - grace:
             needed.add(out.digest)

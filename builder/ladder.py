@@ -24,7 +24,8 @@ from validation.gates import evaluate
 
 #: the gates a screen judges (speed and memory are the compiled engine's, judged by validation)
 ACCURACY_GATES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl")
-KEPT_METRICS = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "tokens")
+KEPT_METRICS = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "tokens",
+                "intervals")
 
 
 @dataclass
@@ -81,15 +82,16 @@ def screen_dtype(spec: BuildSpec, quantized: Path):
     return compute_dtype(spec.target, json.loads((quantized / "hf" / "config.json").read_text()))
 
 
-def screen(quantized: Path, reference, ids, seq: int, batch: int, dtype=None) -> dict:
+def screen(quantized: Path, reference, ids, seq: int, batch: int, dtype=None, gates: dict | None = None) -> dict:
     """A rung's accuracy metrics, from its exported checkpoint computed eagerly (in ``dtype``: float32 unless
-    given)."""
+    given), against ``reference`` (the reference's stored windows, or its runner); with ``gates``, evaluated
+    sequentially until they are decided, as validation is."""
     import torch
 
     from validation.measure import accuracy
     from validation.runners import CheckpointRunner
 
-    return accuracy(CheckpointRunner(quantized / "hf", dtype or torch.float32), reference, ids, seq, batch)
+    return accuracy(CheckpointRunner(quantized / "hf", dtype or torch.float32), reference, ids, seq, batch, gates)
 
 
 def climb(spec: BuildSpec, rungs: list[str], gates: dict[str, float], reference, ids, seq: int, batch: int,
@@ -102,7 +104,7 @@ def climb(spec: BuildSpec, rungs: list[str], gates: dict[str, float], reference,
     for name in rungs:
         qkey, qdir, q_seconds = quantize(spec.with_recipe(name))
         t = time.perf_counter()
-        metrics = screen(qdir, reference, ids, seq, batch, screen_dtype(spec, qdir))
+        metrics = screen(qdir, reference, ids, seq, batch, screen_dtype(spec, qdir), judged)
         rung = Rung(name, qkey, qdir, metrics, evaluate(metrics, judged),
                     {"quantize": round(q_seconds, 3), "screen": round(time.perf_counter() - t, 3)}, "screen")
         tried.append(rung)

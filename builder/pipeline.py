@@ -25,9 +25,9 @@ from builder.leases import BlobLeases, LeasedStore
 from builder.publish import name_in_repository, publish, tag_for
 from builder.resolve import ResolvedCheckpoint, identify_checkpoint, materialize_checkpoint
 from builder.stagecache import StageCache
-from kiln.datasets import load_text
+from kiln.datasets import load_text, task_path
 from kiln.errors import BuildCancelled, KilnError
-from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, request_key
+from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, reference_key, request_key
 from kiln.models import Artifact
 from kiln.recipes import AUTO
 from kiln.settings import Settings
@@ -35,6 +35,7 @@ from kiln.spec import BuildSpec, check_model
 from kiln.toolchain import toolchain_for
 from validation.gates import effective_gates
 from validation.runners import open_engine, open_reference
+from validation.reference import Reference, compute_reference, layout as reference_layout
 from validation.validate import eval_tokens, judge_naming, previous_engine, validate
 
 STAGES = ("resolve", "quantize", "compile", "validate", "publish")
@@ -85,6 +86,30 @@ class Prepared:
     request_key: str
     #: the spec the first stages build: ``spec`` itself, or with ``--recipe auto`` its ladder's first rung
     first: BuildSpec | None = None
+    #: evaluation task files by content digest
+    tasks: dict = field(default_factory=dict)
+
+
+def evaluation_tasks(spec: BuildSpec, roots) -> dict:
+    """The spec's task files, checked (validation/tasks.py) before any work: content digest → path."""
+    if not spec.evaluation.tasks:
+        return {}
+    from validation.tasks import check_task_file
+
+    out = {}
+    for name in spec.evaluation.tasks:
+        path = task_path(name, roots=roots)
+        out[check_task_file(path)["digest"]] = path
+    return out
+
+
+def lm_eval_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lm_eval")
+    except PackageNotFoundError:
+        return None
 
 
 class Builder:
@@ -121,11 +146,14 @@ class Builder:
         toolchain = toolchain_for(spec.backend, spec.target)
         gates = effective_gates(spec.precision, spec.gates)
         data = {"calibration": calib_digest, "evaluation": eval_digest}
+        tasks = evaluation_tasks(spec, roots)
+        if tasks:
+            data["tasks"] = list(tasks)
         first = spec.with_recipe(spec.rungs[0])
         qkey = quantize_key(resolved.digest, first, toolchain, calib_digest)
         prepared = Prepared(spec, resolved, config, toolchain, gates, calib_text, eval_text, data, qkey,
                             compile_key(qkey, first, toolchain), build_key(resolved.digest, spec, toolchain, gates, data),
-                            request_key(resolved.digest, spec, gates, data), first)
+                            request_key(resolved.digest, spec, gates, data), first, tasks)
         record = StageRecord("resolve", "cached" if was_cached else "ran", time.perf_counter() - t,
                              {"digest": resolved.digest, "revision": resolved.revision})
         self._finished(record)
@@ -202,6 +230,7 @@ class Builder:
             "quantize_key": p.quantize_key, "compile_key": p.compile_key, "checkpoint": p.resolved.provenance(),
             "toolchain": p.toolchain, "gates": p.gates, "data": p.data,
             "quantization": report["recipe"], "stages": [asdict(s) for s in stages],
+            "reference_key": report["conditions"]["accuracy"]["reference_cache"]["key"],
         }
         row, _ = self._stage("publish", lambda: (publish(
             self.store, self.sessions, cdir, spec=built, build_key=p.build_key, request_key=p.request_key,
@@ -212,13 +241,13 @@ class Builder:
         """Validate the first engine; with ``--recipe auto``, when it fails an accuracy gate, climb the rest of the
         ladder (builder/ladder.py) and validate the rung it chooses. Returns (report, the spec built, its engine)."""
         spec, first, backend = p.spec, p.first, get_backend(p.spec.backend)
-        reference = open_reference(p.resolved.local_dir)
+        reference, reference_record = self._reference(p)
         vocab = int(p.model_config["vocab_size"])
 
         def check(built: BuildSpec, engine_dir, hook=None) -> dict:
             return validate(open_engine(spec.backend, engine_dir), reference, p.resolved.local_dir, p.eval_text, built,
                             p.gates, vocab, previous=previous_engine(self.sessions, spec, p.build_key, p.data),
-                            engine_source=(spec.backend, engine_dir), before_timing=hook)
+                            engine_source=(spec.backend, engine_dir), before_timing=hook, tasks=p.tasks)
 
         t = time.perf_counter()
         report = check(first, cdir, before_timing)
@@ -236,7 +265,7 @@ class Builder:
                     p.resolved.local_dir, rung, p.calib_text, out))
                 return key, qdir, time.perf_counter() - t0
 
-            chosen, more = ladder_stage.climb(spec, rest, p.gates, reference, ids, seq,
+            chosen, more = ladder_stage.climb(spec, rest, p.gates, reference.windows, ids, seq,
                                               min(spec.batch_profile.max_batch_size, 16), quantize,
                                               on_rung=lambda r: self.on_event("rung", r))
             tried += more
@@ -251,7 +280,19 @@ class Builder:
         del reference
         report["recipe"] = {"requested": spec.recipe_name, "built": built.recipe_name,
                             **({"ladder": [r.record() for r in tried]} if tried else {})}
+        report["conditions"]["accuracy"]["reference_cache"] = reference_record
         return report, built, built_dir
+
+    def _reference(self, p: Prepared) -> tuple[Reference, dict]:
+        """The reference's results on this evaluation: from the stage cache (any earlier build of the checkpoint
+        with this evaluation, on any worker), else computed and stored."""
+        spec = p.first
+        toolchain = {**p.toolchain, "lm_eval": lm_eval_version() if p.tasks else None}
+        key = reference_key(p.resolved.digest, spec, toolchain, p.data, reference_layout(spec))
+        folder, produced = self.stage_cache.get("reference", key, lambda out: compute_reference(
+            open_reference(p.resolved.local_dir), p.resolved.local_dir, p.eval_text, spec, p.tasks).save(out))
+        reference = Reference.load(folder, p.resolved.local_dir)
+        return reference, {"key": key, "reused": produced is None, "seconds_to_compute": reference.seconds}
 
     # -- helpers ---------------------------------------------------------------------------------
     def _checkpoint_args(self) -> dict:

@@ -47,7 +47,7 @@ from kiln.models import StageOutput
 
 log = logging.getLogger(__name__)
 
-STAGES = ("quantize", "compile")
+STAGES = ("quantize", "compile", "reference")  # reference: the unquantized model's results (validation/reference.py)
 COMPLETE = ".complete"
 
 

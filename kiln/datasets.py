@@ -62,3 +62,23 @@ def _read(path: Path, size: int, mtime_ns: int, ctime_ns: int, ino: int) -> tupl
             texts.append(row.get("text", ""))
         text = "\n\n".join(texts)
     return text, sha256_bytes(raw)
+
+
+TASK_SUFFIXES = (".yaml", ".yml", ".jsonl")
+
+
+def task_path(name: str, *, roots: list[Path], field: str = "evaluation.tasks") -> Path:
+    """An evaluation task file (docs/tasks.md) as an absolute path under the checkpoint roots; SpecError naming
+    ``field`` when it is outside them, missing, or of another kind. Its content is checked by validation/tasks.py."""
+    from kiln.spec import local_path
+
+    path = local_path(name, field=field)
+    if not any(path == r or path.is_relative_to(r) for r in roots):
+        raise SpecError(f"{name!r} is outside the allowed roots", field=field,
+                        fix="put the task file under a checkpoint root (KILN_CHECKPOINT_ROOTS)")
+    if not path.exists():
+        raise SpecError(f"{name!r} does not exist", field=field, fix="give the path of an existing task file")
+    if path.suffix not in TASK_SUFFIXES or not path.is_file():
+        raise SpecError(f"{name!r} is not a task file", field=field,
+                        fix="give an lm-eval task .yaml or a multiple-choice .jsonl (docs/tasks.md)")
+    return path

@@ -24,7 +24,9 @@ from kiln.spec import BuildSpec
 #    float32.
 # 4: a spec names its quantization recipe (kiln/recipes.py) and the layers it keeps unquantized; ``auto`` runs its
 #    precision's ladder; the cpu target's compute dtype follows the build CPU's native bf16 support.
-RECIPE_VERSION = "kiln-recipe-4"
+# 5: accuracy gates are decided on paired intervals, evaluated sequentially; evaluation tasks; TPOT only with a KV
+#    cache.
+RECIPE_VERSION = "kiln-recipe-5"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str) -> str:
@@ -52,6 +54,19 @@ def build_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str]
     return sha256_json({
         "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest, "spec": fields,
         "toolchain": toolchain, "gates": gates, "data": data,
+    })
+
+
+def reference_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], data: dict[str, Any],
+                  layout: dict[str, Any]) -> str:
+    """The unquantized reference's results on a build's evaluation (validation/reference.py): checkpoint content ×
+    evaluation text and tasks (digests) × the evaluation's shape (``layout``: window length, windows, task length
+    limit, what is kept) × the reference's toolchain. No precision, recipe, backend or target: every build of the
+    checkpoint with that evaluation shares it."""
+    return sha256_json({
+        "stage": "reference", "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest,
+        "evaluation": data.get("evaluation"), "tasks": data.get("tasks", []), "layout": layout,
+        "toolchain": {k: toolchain.get(k) for k in ("torch", "transformers", "lm_eval")},
     })
 
 

@@ -147,11 +147,11 @@ class QuantFormat:
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("fp8", "FP8 (e4m3) weights and activations", min_sm=89, min_sm_trtllm_engine=89,
               gates={"max_ppl_increase_pct": 3.0, "min_top1_agreement": 0.85, "max_mean_kl": 0.05,
-                     "min_throughput_tps": 1.0},
+                     "max_task_accuracy_drop_pts": 3.0, "min_throughput_tps": 1.0},
               ladder=("fp8", "fp8-pcpt")),
     Precision("nvfp4", "NVFP4 (e2m1) weights, FP8 scales per 16 values", min_sm=89, min_sm_trtllm_engine=100,
               gates={"max_ppl_increase_pct": 15.0, "min_top1_agreement": 0.70, "max_mean_kl": 0.25,
-                     "min_throughput_tps": 1.0},
+                     "max_task_accuracy_drop_pts": 8.0, "min_throughput_tps": 1.0},
               ladder=("nvfp4", "nvfp4-mlp-only", "nvfp4-w4a16"), block=NVFP4_GROUP),
 )}
 

@@ -28,12 +28,13 @@ GPU_NAMES = {
 }
 # GPUs users ask for that no Kiln precision supports (FP8 needs sm89+), so the error can say why.
 OLD_GPUS = {"a100": 80, "a10": 86, "a10g": 86, "a30": 80, "a40": 86, "rtx3090": 86, "t4": 75, "v100": 70}
-GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "min_throughput_tps",
+GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "max_task_accuracy_drop_pts", "min_throughput_tps",
               "max_peak_memory_bytes", "max_throughput_drop_pct", "max_accuracy_regression_pct")
 # Changing the regression gate (the comparison with the previous engine of the same target) needs a recorded reason.
 REGRESSION_GATE_NAMES = ("max_throughput_drop_pct", "max_accuracy_regression_pct")
 MODEL_NAME_RE = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
 
+MAX_TASKS = 16
 LIMITS = {  # (min, max) for every integer field
     "max_batch_size": (1, 4096), "max_input_len": (1, 1 << 20), "max_seq_len": (2, 1 << 20),
     "max_num_tokens": (1, 1 << 24), "tp_size": (1, 8), "calibration.samples": (1, 4096),
@@ -72,6 +73,11 @@ class Evaluation(BaseModel):
     dataset: str = "kiln:heldout"
     seq_len: int = 128
     max_tokens: int = 16384
+    #: task files (lm-eval task YAML or multiple-choice .jsonl, docs/tasks.md) under the checkpoint roots; they
+    #: enter keys by content digest, never by path
+    tasks: tuple[str, ...] = ()
+    #: stop evaluating once every accuracy gate is decided (validation/accuracy.py); False evaluates everything
+    sequential: bool = True
 
 
 class BuildSpec(BaseModel):
@@ -131,7 +137,7 @@ class BuildSpec(BaseModel):
             "target": self.target, "backend": self.backend, "tp_size": self.tp_size,
             # datasets enter keys by content digest (passed separately), never by name or path
             "calibration": self.calibration.model_dump(exclude={"dataset"}),
-            "evaluation": self.evaluation.model_dump(exclude={"dataset"}),
+            "evaluation": self.evaluation.model_dump(exclude={"dataset", "tasks"}),
         }
 
 
@@ -243,6 +249,8 @@ def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
             d["profile"] = PROFILES[prof]
             prof = d["profile"].model_dump()
     ints = {f"profile.{k}": prof.get(k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")}
+    if len(d["evaluation"].tasks) > MAX_TASKS:
+        errs.append(_bad("evaluation.tasks", f"{len(d['evaluation'].tasks)} task files", f"give at most {MAX_TASKS}"))
     ints |= {"tp_size": d["tp_size"], "calibration.samples": d["calibration"].samples,
              "calibration.seq_len": d["calibration"].seq_len, "evaluation.seq_len": d["evaluation"].seq_len,
              "evaluation.max_tokens": d["evaluation"].max_tokens}

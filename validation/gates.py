@@ -20,6 +20,7 @@ import os
 from typing import Callable
 
 from kiln.precisions import PRECISIONS
+from validation.stats import PASS, Interval, decide
 
 #: each precision's defaults, as its descriptor (kiln/precisions.py) states them
 DEFAULT_GATES: dict[str, dict[str, float]] = {name: dict(p.gates) for name, p in PRECISIONS.items()}
@@ -77,12 +78,30 @@ def peak_throughput(points: list[dict], key: str = "tokens_per_s") -> float:
 
 
 def _passes(name: str, value: float, threshold: float) -> bool:
-    return bool(value <= threshold if name.startswith("max_") else value >= threshold)
+    return bool(value <= threshold if name.startswith("max_") else value >= threshold)  # NaN: False either way
+
+
+#: the accuracy gates decided on a paired interval (validation/accuracy.py), and the metric each reads
+INTERVAL_METRIC = {"max_ppl_increase_pct": "ppl_increase_pct", "min_top1_agreement": "top1_agreement",
+                   "max_mean_kl": "mean_kl"}
+TASK_GATE = "max_task_accuracy_drop_pts"
+
+
+def _verdict(name: str, threshold: float, value: float, interval: dict | None) -> dict:
+    iv = Interval(value, interval["low"], interval["high"], interval["confidence"]) if interval else None
+    decision = decide(name, iv, value, threshold)
+    out = {"name": name, "threshold": threshold, "value": value, "passed": decision == PASS, "decision": decision}
+    if iv is not None:
+        out.update(interval=[iv.low, iv.high], confidence=iv.confidence)
+    return out
 
 
 def evaluate(metrics: dict, gates: dict[str, float]) -> list[dict]:
     """One verdict per gate of ``gates`` except the regression gates (see :func:`regression`):
-    {name, threshold, value, passed}. A missing memory figure counts as infinite (it never passes)."""
+    {name, threshold, value, passed, decision[, interval, confidence]}. An accuracy gate with a paired interval in
+    ``metrics["intervals"]`` is decided on it (pass / fail / undecided; undecided does not pass); the others on
+    their value. The task gate gives one verdict per task of ``metrics["tasks"]`` (none without tasks). A missing
+    memory figure counts as infinite (it never passes)."""
     values = {
         "max_ppl_increase_pct": metrics.get("ppl_increase_pct"),
         "min_top1_agreement": metrics.get("top1_agreement"),
@@ -90,13 +109,19 @@ def evaluate(metrics: dict, gates: dict[str, float]) -> list[dict]:
         "min_throughput_tps": peak_throughput(metrics.get("throughput", [])),
         MEMORY_GATE: metrics.get("peak_memory_bytes", math.inf),
     }
+    intervals = metrics.get("intervals") or {}
     verdicts = []
     for name, threshold in gates.items():
         if name in REGRESSION_GATES:
             continue
+        if name == TASK_GATE:
+            for task in metrics.get("tasks") or []:
+                v = _verdict(name, threshold, task["drop_pts"], task["interval"])
+                verdicts.append({**v, "task": task["task"]})
+            continue
         value = values[name]
         value = math.inf if value is None else value
-        verdicts.append({"name": name, "threshold": threshold, "value": value, "passed": _passes(name, value, threshold)})
+        verdicts.append(_verdict(name, threshold, value, intervals.get(INTERVAL_METRIC.get(name, ""))))
     return verdicts
 
 

@@ -2,13 +2,14 @@
 profile's envelope. Each figure carries the conditions that produced it (device, threads, warm-up,
 repetitions, spread).
 
-- :func:`accuracy`: perplexity of engine and reference on held-out text, top-1 agreement, mean per-token KL.
+- :func:`accuracy` (validation/accuracy.py): perplexity increase, top-1 agreement and KL against the
+  reference, with paired intervals, evaluated sequentially.
 - :func:`throughput`: forward (prefill) tokens/s at ≥ 3 batch sizes up to ``max_batch_size`` (at
   ``max_input_len``) and at sequence lengths up to ``max_seq_len`` (at batch 1).
-- :func:`decode_latency`: greedy generation of ``new_tokens`` from a ``max_input_len`` prompt (capped so that
-  prompt + new tokens ≤ ``max_seq_len``) at batch 1 and at the maximum batch: TTFT (time to the first token,
-  the prefill) and TPOT (mean time per later token). Every step runs the runner's full forward on the whole
-  sequence so far: the aot-inductor and checkpoint engines have no KV cache, so TPOT here is *without* one.
+- :func:`decode_latency`: TTFT (time to the first token: the prefill of a ``max_input_len`` prompt) and TPOT
+  (mean time per later token) at batch 1 and at the maximum batch. TPOT only where the runner decodes with a KV
+  cache (``decode``: the checkpoint runner through transformers' cache); an engine without one (aot-inductor)
+  reports TPOT as not measured.
 - :func:`peak_memory`: memory of one forward at the envelope's corner (``max_batch_size × max_seq_len``).
   On CPU, in a fresh child process: the peak resident set (Linux ``VmHWM``, reset through
   ``/proc/self/clear_refs`` between phases) while the engine loads and runs the corner, minus the resident set
@@ -31,53 +32,13 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch.nn import functional as F
-
 from kiln.errors import StageFailed
 from kiln.spec import BatchProfile
+from validation.accuracy import accuracy, windows  # noqa: F401  (re-exported: callers import them from here)
 
 DECODE_NEW_TOKENS = 16
-NO_KV_CACHE_NOTE = ("TPOT is measured without a KV cache: this engine has none, so every generated token re-runs "
-                    "the full sequence so far (a runtime with a KV cache processes one new token per step)")
-
-
-def windows(token_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Non-overlapping windows of ``seq_len + 1`` tokens (inputs plus the shifted targets)."""
-    n = (len(token_ids) - 1) // seq_len
-    return torch.stack([token_ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
-
-
-def accuracy(engine, reference, token_ids: torch.Tensor, seq_len: int, batch: int) -> dict:
-    """Perplexity of engine and reference, top-1 agreement and mean per-token KL(reference ‖ engine)."""
-    w = windows(token_ids, seq_len)
-    nll_e = nll_r = kl = 0.0
-    agree = count = 0
-    for i in range(0, len(w), batch):
-        chunk = w[i : i + batch]
-        x, y = chunk[:, :-1], chunk[:, 1:].reshape(-1)
-        le = engine.logits(x)
-        lr = reference.logits(x)
-        le, lr = le.reshape(-1, le.shape[-1]).double(), lr.reshape(-1, lr.shape[-1]).double()
-        lpe, lpr = F.log_softmax(le, -1), F.log_softmax(lr, -1)
-        nll_e += -lpe.gather(1, y[:, None]).sum().item()
-        nll_r += -lpr.gather(1, y[:, None]).sum().item()
-        kl += (lpr.exp() * (lpr - lpe)).sum().item()
-        agree += (le.argmax(-1) == lr.argmax(-1)).sum().item()
-        count += y.numel()
-    ppl, ref_ppl = _exp(nll_e / count), _exp(nll_r / count)
-    return {
-        "perplexity": ppl, "reference_perplexity": ref_ppl,
-        "ppl_increase_pct": (ppl / ref_ppl - 1.0) * 100.0 if math.isfinite(ppl) else math.inf,
-        "top1_agreement": agree / count, "mean_kl": kl / count if math.isfinite(kl) else math.inf,
-        "tokens": count, "seq_len": seq_len,
-    }
-
-
-def _exp(x: float) -> float:
-    try:
-        return math.exp(x)
-    except OverflowError:
-        return math.inf
+NO_KV_CACHE_NOTE = ("not measured: this engine has no KV cache, so every generated token would re-run the whole "
+                    "sequence so far — a figure no runtime with a KV cache would show")
 
 
 # -- throughput ------------------------------------------------------------------------------------
@@ -158,35 +119,40 @@ def greedy_decode(engine, prompt: torch.Tensor, new_tokens: int) -> tuple[list[f
 
 def decode_latency(engine, profile: BatchProfile, vocab: int, *, new_tokens: int = DECODE_NEW_TOKENS,
                    warmup: int = 1, reps: int = 2, seed: int = 0) -> dict:
-    """TTFT and TPOT at batch 1 and at the maximum batch (medians over ``reps`` generations, after ``warmup``
-    prefills). ``ttft_ms`` / ``tpot_ms`` are the batch-1 figures (what one user waits); ``points`` has each
-    batch size's."""
+    """TTFT and TPOT at batch 1 and at the maximum batch (medians over ``reps``, after ``warmup``), as a runtime
+    serves them: a runner with a KV cache (``engine.decode``) generates ``new_tokens`` greedily, each step after the
+    prefill processing one new token; a runner without one is timed for its prefill (TTFT) only, and its TPOT is
+    "not measured" — a cache-less per-token figure is no runtime's. ``ttft_ms`` / ``tpot_ms`` are the batch-1
+    figures (what one user waits); ``points`` has each batch size's."""
     prompt_len, new = decode_shape(profile, new_tokens)
+    cached = callable(getattr(engine, "decode", None))
     gen = torch.Generator().manual_seed(seed)
     points = []
     for b in sorted({1, profile.max_batch_size}):
         prompt = torch.randint(0, vocab, (b, prompt_len), generator=gen)
         for _ in range(warmup):
-            engine.logits(prompt)
+            engine.decode(prompt, 2) if cached else engine.logits(prompt)
         ttfts, tpots = [], []
         for _ in range(reps):
-            steps, _ = greedy_decode(engine, prompt, new)
+            steps, _ = engine.decode(prompt, new) if cached else greedy_decode(engine, prompt, 1)
             ttfts.append(steps[0])
             if len(steps) > 1:
                 tpots.append(statistics.fmean(steps[1:]))
         tpot = statistics.median(tpots) if tpots else None
         points.append({
-            "batch_size": b, "prompt_len": prompt_len, "new_tokens": new,
+            "batch_size": b, "prompt_len": prompt_len, "new_tokens": new if cached else 1,
             "ttft_ms": statistics.median(ttfts) * 1e3, "ttft_spread_ms": (max(ttfts) - min(ttfts)) * 1e3,
             "tpot_ms": tpot * 1e3 if tpot is not None else None,
             "tpot_spread_ms": (max(tpots) - min(tpots)) * 1e3 if tpots else None,
             "decode_tokens_per_s": b / tpot if tpot else None, "reps": reps, "warmup": warmup,
         })
     first = points[0]
+    method = ("greedy decoding with the runner's KV cache: the prefill, then one new token per step" if cached
+              else "the prefill alone (one forward of the prompt): TTFT")
     return {"ttft_ms": first["ttft_ms"], "tpot_ms": first["tpot_ms"], "points": points,
-            "conditions": {"method": "greedy decoding, one full forward per generated token", "kv_cache": False,
-                           "note": NO_KV_CACHE_NOTE, "prompt_len": prompt_len, "new_tokens": new,
-                           "warmup": warmup, "reps": reps, "statistic": "median over reps"}}
+            "conditions": {"method": method, "kv_cache": cached, "prompt_len": prompt_len,
+                           "new_tokens": new if cached else 1, "warmup": warmup, "reps": reps,
+                           "statistic": "median over reps", **({} if cached else {"tpot": NO_KV_CACHE_NOTE})}}
 
 
 # -- peak memory -----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ REPORT_TYPE = "application/vnd.kiln.validation-report.v1+json"
 SCHEMA = "kiln.validation-report.v1"
 FORMATS = ("json", "html", "junit")
 METRICS = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "throughput",
-           "ttft_ms", "tpot_ms", "latency", "peak_memory_bytes")
+           "ttft_ms", "tpot_ms", "latency", "peak_memory_bytes", "intervals", "mde", "sequential", "tasks")
 SPEC_FIELDS = ("model_name", "checkpoint", "precision", "kv_cache", "target", "backend", "tp_size", "profile",
                "calibration", "evaluation", "gates", "override_reason")
 
@@ -129,6 +129,22 @@ def _op(name: str) -> str:
     return "≤" if name.startswith("max_") else "≥"
 
 
+def _gate_name(g: dict) -> str:
+    return f"{g['name']}[{g['task']}]" if g.get("task") else str(g["name"])
+
+
+def _decision(g: dict) -> str:
+    decision = g.get("decision") or ("pass" if g.get("passed") else "fail")
+    return {"pass": "pass", "fail": "FAIL", "undecided": "UNDECIDED"}.get(decision, str(decision))
+
+
+def _interval(g: dict) -> str:
+    iv = g.get("interval")
+    if not iv:
+        return "—"
+    return f"[{_gate_value(g['name'], iv[0])}, {_gate_value(g['name'], iv[1])}]"
+
+
 def _not_judged(doc: dict) -> dict[str, str]:
     return dict(doc.get("not_judged") or {})
 
@@ -208,12 +224,13 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     for g in gates:
         ok = g.get("passed")
         extra = f" (against <code>{escape(str(g['against'])[:19])}…</code>)" if g.get("against") else ""
-        rows.append([_Html(escape(str(g["name"])) + extra), _gate_value(g["name"], g["value"]),
+        rows.append([_Html(escape(_gate_name(g)) + extra), _gate_value(g["name"], g["value"]), _interval(g),
                      f"{_op(g['name'])} {_gate_value(g['name'], g['threshold'])}",
-                     _Html(f'<span class="{"pass-cell" if ok else "fail-cell"}">{"pass" if ok else "FAIL"}</span>')])
+                     _Html(f'<span class="{"pass-cell" if ok else "fail-cell"}">{escape(_decision(g))}</span>')])
     for gname, why in _not_judged(doc).items():
-        rows.append([gname, "—", "", _Html(f'<span class="skip-cell">not judged: {escape(str(why))}</span>')])
-    parts.append("<h2>Gates</h2>" + _table(["gate", "value", "threshold", "verdict"], rows, (1,)))
+        rows.append([gname, "—", "", "", _Html(f'<span class="skip-cell">not judged: {escape(str(why))}</span>')])
+    parts.append("<h2>Gates</h2>" + _table(["gate", "value", "95 % interval", "threshold", "verdict"], rows, (1,)))
+    parts.append(_sequential_note(doc))
     parts += _recipe_section(doc.get("quantization") or {})
 
     # accuracy
@@ -235,6 +252,8 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     parts.append(f"<p>top-1 agreement with the reference {escape(_fmt(_pct(doc.get('top1_agreement'))))} %, mean "
                  f"per-token KL {escape(_fmt(doc.get('mean_kl')))}, on {escape(_fmt(doc.get('eval_tokens')))} held-out "
                  "tokens.</p>")
+    parts += _detectable_section(doc)
+    parts += _tasks_section(doc.get("tasks") or [])
     if prev:
         parts.append(_table(["", "this engine", "previous engine"], [
             ["perplexity", _fmt(doc.get("perplexity")), _fmt(prev.get("perplexity"))],
@@ -268,8 +287,8 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     cond = doc.get("conditions") or {}
     lat_cond = cond.get("latency") or {}
     parts.append("<h2>Generation latency</h2>")
-    if lat_cond.get("note"):
-        parts.append(f'<p class="note">{escape(lat_cond["note"])}.</p>')
+    if lat_cond.get("tpot"):
+        parts.append(f'<p class="note">TPOT {escape(lat_cond["tpot"])}.</p>')
     parts.append(_table(["batch", "prompt", "new tokens", "TTFT ms", "TPOT ms", "decode tokens/s", "reps"],
                         [[_fmt(p.get("batch_size")), _fmt(p.get("prompt_len")), _fmt(p.get("new_tokens")),
                           _fmt(p.get("ttft_ms")), _fmt(p.get("tpot_ms")), _fmt(p.get("decode_tokens_per_s")),
@@ -359,6 +378,49 @@ def _recipe_section(q: dict) -> list[str]:
     return out
 
 
+def _sequential_note(doc: dict) -> str:
+    seq = doc.get("sequential") or {}
+    if not seq:
+        return ""
+    looks = seq.get("looks") or []
+    text = (f"Evaluated {_fmt(seq.get('windows'))} of {_fmt(seq.get('of'))} windows in a fixed random order"
+            + (", stopped once every accuracy gate was decided" if seq.get("stopped_early") else "")
+            + f". Looks planned at {', '.join(str(x) for x in looks)} windows; each look's interval is at "
+            f"{_fmt(_pct(seq.get('confidence_per_look')))} % so that all looks together err with probability ≤ "
+            f"{_fmt(seq.get('alpha'))}. UNDECIDED: the interval straddles the threshold, so this evaluation cannot "
+            "tell; it does not pass.")
+    return f'<p class="note">{escape(text)}</p>'
+
+
+def _detectable_section(doc: dict) -> list[str]:
+    """Each window metric's interval and the smallest change the evaluation could have detected (paired), with the
+    windows an unpaired comparison would need for the same."""
+    intervals, mde = doc.get("intervals") or {}, doc.get("mde") or {}
+    if not intervals:
+        return []
+    rows = []
+    for name, iv in intervals.items():
+        m = mde.get(name) or {}
+        rows.append([name, _fmt(iv.get("value")), f"[{_fmt(iv.get('low'))}, {_fmt(iv.get('high'))}]",
+                     _fmt(m.get("paired")), _fmt(m.get("windows")), _fmt(m.get("unpaired_windows_needed"))])
+    return [_table(["metric", "value", "interval", "smallest detectable change (paired)", "windows",
+                    "windows an unpaired test would need"], rows, (1, 3, 4, 5))]
+
+
+def _tasks_section(tasks: list[dict]) -> list[str]:
+    if not tasks:
+        return []
+    rows = [[t.get("task"), _fmt(t.get("items")), _fmt(_pct(t.get("engine_accuracy"))),
+             _fmt(_pct(t.get("reference_accuracy"))), _fmt(t.get("drop_pts")),
+             f"[{_fmt((t.get('interval') or {}).get('low'))}, {_fmt((t.get('interval') or {}).get('high'))}]",
+             _fmt(t.get("mde_pts")), _fmt(t.get("unpaired_items_needed")),
+             f"{_fmt(t.get('engine_only_correct'))} / {_fmt(t.get('reference_only_correct'))}"] for t in tasks]
+    return ["<h2>Tasks</h2>", _table(
+        ["task", "items", "engine accuracy %", "reference accuracy %", "drop (points)", "95 % interval",
+         "smallest detectable drop", "items an unpaired test would need", "only engine / only reference right"],
+        rows, (1, 2, 3, 4, 6, 7))]
+
+
 def render_junit(doc: dict) -> str:
     """One ``<testcase>`` per gate: a ``<failure>`` for a failed gate, ``<skipped>`` for a regression gate that
     could not be judged (no previous engine, different conditions)."""
@@ -379,9 +441,11 @@ def render_junit(doc: dict) -> str:
                  ("repository", e.get("repository")), ("tag", e.get("tag"))):
         ET.SubElement(props, "property", name=k, value=str(v))
     for g in gates:
-        case = ET.SubElement(suite, "testcase", classname=suite_name, name=g["name"], time="0")
-        detail = (f"{g['name']}: value {_gate_value(g['name'], g['value'])} {_op(g['name'])} threshold "
+        case = ET.SubElement(suite, "testcase", classname=suite_name, name=_gate_name(g), time="0")
+        detail = (f"{_gate_name(g)}: value {_gate_value(g['name'], g['value'])} {_op(g['name'])} threshold "
                   f"{_gate_value(g['name'], g['threshold'])}")
+        if g.get("interval"):
+            detail += f", 95 % interval {_interval(g)}: {_decision(g)}"
         if g.get("against"):
             detail += f" (against the previous engine {g['against']})"
         if not g.get("passed"):

@@ -46,10 +46,84 @@ class AOTInductorRunner:
         return (out[0] if isinstance(out, (list, tuple)) else out).float().cpu()
 
 
-class CheckpointRunner:
-    """An exported checkpoint (or an unquantized one) as transformers computes it from its own tensors."""
+class LogitsHead:
+    """The last step of a causal LM: hidden states → logits (its output embedding, with the family's final
+    soft-capping where it has one: Gemma 2/3). The reference's hidden states are what validation stores; this
+    recomputes its exact logits from them (validation/accuracy.py)."""
 
-    kv_cache = False
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
+        self.weight, self.bias, self.softcap = weight.float(), None if bias is None else bias.float(), softcap
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.nn.functional.linear(hidden.float(), self.weight, self.bias)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @classmethod
+    def of(cls, model) -> "LogitsHead":
+        out = model.get_output_embeddings()
+        return cls(out.weight.detach(), getattr(out, "bias", None), getattr(model.config, "final_logit_softcapping", None))
+
+    @classmethod
+    def load(cls, checkpoint_dir: Path) -> "LogitsHead":
+        """The head of the checkpoint in ``checkpoint_dir``, read from its safetensors alone (the model is laid
+        out on the meta device to learn which tensor its output embedding is: ``lm_head.weight``, or the input
+        embedding where the two are tied)."""
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        checkpoint_dir = Path(checkpoint_dir)
+        config = AutoConfig.from_pretrained(checkpoint_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        out = model.get_output_embeddings()
+        names = {n for n, p in model.named_parameters(remove_duplicate=False) if p is out.weight}
+        bias_names = {n for n, p in model.named_parameters(remove_duplicate=False)
+                      if getattr(out, "bias", None) is not None and p is out.bias}
+        index = checkpoint_dir / "model.safetensors.index.json"
+        files = (json.loads(index.read_text())["weight_map"] if index.is_file()
+                 else {k: "model.safetensors" for k in names | bias_names})
+        found: dict[str, torch.Tensor] = {}
+        for wanted in (names, bias_names):
+            for name in sorted(wanted):
+                path = checkpoint_dir / files.get(name, "model.safetensors")
+                if not path.is_file():
+                    continue
+                with safe_open(str(path), "pt") as f:
+                    if name in f.keys():
+                        found["bias" if wanted is bias_names else "weight"] = f.get_tensor(name)
+                        break
+        if "weight" not in found:
+            raise StageFailed(f"{checkpoint_dir} holds none of {sorted(names)} (the output embedding)")
+        return cls(found["weight"], found.get("bias"), getattr(config, "final_logit_softcapping", None))
+
+
+def cached_greedy_decode(model, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
+    """Greedy generation through transformers' KV cache (``DynamicCache``): the prefill (only the last position's
+    logits, as runtimes compute them), then one new token per step. Returns the seconds of each step (step 0 ends
+    with the first token) and the generated ids [batch, new_tokens]."""
+    import time
+
+    from transformers import DynamicCache
+
+    cache, ids, steps, generated = DynamicCache(), prompt, [], []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            t = time.perf_counter()
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            steps.append(time.perf_counter() - t)
+            generated.append(nxt)
+            cache, ids = out.past_key_values, nxt
+    return steps, torch.cat(generated, 1)
+
+
+class CheckpointRunner:
+    """An exported checkpoint (or an unquantized one) as transformers computes it from its own tensors; it decodes
+    with transformers' KV cache (the emulated quantization applies to every step's linears alike)."""
+
+    kv_cache = True
 
     def __init__(self, checkpoint_dir: Path, dtype: torch.dtype = torch.float32):
         from kiln.hfmodel import LogitsOnly, load_engine_model
@@ -61,6 +135,9 @@ class CheckpointRunner:
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self._model(input_ids)
+
+    def decode(self, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
+        return cached_greedy_decode(self.built.model, prompt, new_tokens)
 
 
 class TransformersRunner:
@@ -74,9 +151,25 @@ class TransformersRunner:
         self.device = "cpu"
         self._model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
 
+    def hidden_and_logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states (the LM head's input, [batch, seq, hidden]) and the logits."""
+        seen = []
+        hook = self._model.get_output_embeddings().register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+        try:
+            logits = self.logits(input_ids)
+        finally:
+            hook.remove()
+        return seen[0].float(), logits
+
+    def head(self) -> "LogitsHead":
+        return LogitsHead.of(self._model)
+
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self._model(input_ids).logits.float()
+
+    def decode(self, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
+        return cached_greedy_decode(self._model, prompt, new_tokens)
 
 
 class TRTLLMRunner:

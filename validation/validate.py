@@ -13,13 +13,16 @@ import torch
 
 from kiln.errors import SpecError, ValidationFailed
 from kiln.spec import BuildSpec
-from validation.gates import MEMORY_GATE, evaluate, judged_gates, regression
+from validation.gates import MEMORY_GATE, TASK_GATE, evaluate, judged_gates, regression
 from validation.measure import (accuracy, conditions, cpu_wait, decode_latency, peak_memory, throughput,
                                 throughput_point)
+from validation import stats
 from validation.runners import Runner
 
 PREVIOUS_STATUSES = ("fresh", "stale")  # validated and not withdrawn (stale: built from an older checkpoint head)
 RECHECK_REPS = 9
+#: evaluation fields two engines may differ in and still be compared (the data enters through its digests)
+UNCOMPARED = ("dataset", "tasks", "sequential")
 
 
 def eval_tokens(tokenizer_dir: Path, text: str, spec: BuildSpec) -> tuple[torch.Tensor, int]:
@@ -35,17 +38,63 @@ def eval_tokens(tokenizer_dir: Path, text: str, spec: BuildSpec) -> tuple[torch.
     return ids, seq
 
 
-def validate(engine: Runner, reference: Runner, tokenizer_dir: Path, eval_text: str, spec: BuildSpec,
+def eval_batch(spec: BuildSpec) -> int:
+    """Windows per forward in the accuracy pass: the profile's batch, at most 16."""
+    return min(spec.batch_profile.max_batch_size, 16)
+
+
+def task_limits(spec: BuildSpec) -> tuple[int, int]:
+    """(batch, longest sequence) a task's requests are run at: what the engine's profile accepts."""
+    return eval_batch(spec), spec.batch_profile.max_seq_len
+
+
+def task_accuracy(engine, reference, tokenizer_dir: Path, spec: BuildSpec, tasks: dict[str, Path]) -> list[dict]:
+    """Each task's accuracy for engine and reference, paired item by item (validation/stats.py), with every
+    item's outcome. ``reference``: a validation.reference.Reference holding the reference's outcomes."""
+    from validation.tasks import evaluate_task
+
+    batch, max_len = task_limits(spec)
+    out = []
+    for digest, path in tasks.items():
+        mine = evaluate_task(engine, tokenizer_dir, Path(path), max_batch=batch, max_len=max_len)
+        ref = reference.tasks[digest]
+        theirs = {item["id"]: item["correct"] for item in ref["items"]}
+        ids = [item["id"] for item in mine["items"] if item["id"] in theirs]
+        if len(ids) != len(ref["items"]) or len(ids) != len(mine["items"]):
+            raise ValueError(f"task {mine['task']}: the engine's and the reference's items do not pair")
+        engine_ok = {item["id"]: item["correct"] for item in mine["items"]}
+        paired = stats.paired_accuracy([engine_ok[i] for i in ids], [theirs[i] for i in ids], 1 - stats.ALPHA)
+        out.append({"task": mine["task"], "digest": digest, "metric": mine.get("metric", "acc"),
+                    "items": paired["items"], "engine_accuracy": paired["engine_accuracy"],
+                    "reference_accuracy": paired["reference_accuracy"], "drop_pts": paired["drop_pts"],
+                    "interval": paired["interval"].as_dict(), "mde_pts": paired["mde_pts"],
+                    "unpaired_items_needed": paired["unpaired_items_needed"],
+                    "engine_only_correct": paired["engine_only_correct"],
+                    "reference_only_correct": paired["reference_only_correct"],
+                    "outcomes": [{"id": i, "engine": bool(engine_ok[i]), "reference": bool(theirs[i])} for i in ids]})
+    return out
+
+
+def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spec: BuildSpec,
              gates: dict[str, float], vocab: int, *, previous: dict | None = None,
-             engine_source: tuple[str, Path] | None = None, before_timing: Callable[[], object] | None = None) -> dict:
-    """``previous``: the engine to compare with (:func:`previous_engine`), or None. ``engine_source``:
-    (backend, engine_dir), so that peak memory is measured in a fresh process that loads the engine itself.
-    ``before_timing`` is called after the accuracy pass, before anything is timed (the build waits there for
-    work it ran beside the accuracy pass, so that no timing shares the machine with it)."""
+             engine_source: tuple[str, Path] | None = None, before_timing: Callable[[], object] | None = None,
+             tasks: dict[str, Path] | None = None) -> dict:
+    """``reference``: the reference's stored results (validation.reference.Reference), or a reference runner (its
+    results are computed here). ``tasks``: evaluation task files by content digest. ``previous``: the engine to
+    compare with (:func:`previous_engine`), or None. ``engine_source``: (backend, engine_dir), so that peak memory
+    is measured in a fresh process that loads the engine itself. ``before_timing`` is called after the accuracy
+    pass, before anything is timed (the build waits there for work it ran beside the accuracy pass, so that no
+    timing shares the machine with it)."""
+    from validation.reference import Reference, compute_reference
+
+    if not isinstance(reference, Reference):
+        reference = compute_reference(reference, tokenizer_dir, eval_text, spec, tasks)
     ids, seq = eval_tokens(tokenizer_dir, eval_text, spec)
     profile = spec.batch_profile
-    batch = min(profile.max_batch_size, 16)
-    metrics = accuracy(engine, reference, ids, seq, batch)
+    batch = eval_batch(spec)
+    metrics = accuracy(engine, reference.windows, ids, seq, batch, gates, sequential=spec.evaluation.sequential)
+    if tasks:
+        metrics["tasks"] = task_accuracy(engine, reference, tokenizer_dir, spec, tasks)
     if before_timing is not None:
         before_timing()
     # A runner with a runtime of its own (TensorRT-LLM: trtllm-bench, in-flight batching, KV cache) measures its
@@ -80,6 +129,8 @@ def validate(engine: Runner, reference: Runner, tokenizer_dir: Path, eval_text: 
     if metrics["peak_memory_bytes"] is None and MEMORY_GATE not in gates:
         judged.pop(MEMORY_GATE)
         not_judged[MEMORY_GATE] = memory["conditions"]["method"]
+    if TASK_GATE in judged and not metrics.get("tasks"):
+        not_judged[TASK_GATE] = "no evaluation tasks given (evaluation.tasks, --eval-task)"
     verdicts = evaluate(metrics, judged)
 
     def remeasure(b: int, s: int) -> float:
@@ -94,7 +145,9 @@ def validate(engine: Runner, reference: Runner, tokenizer_dir: Path, eval_text: 
         "conditions": {
             **cond, "eval_batch": batch,
             "accuracy": {"tokens": metrics["tokens"], "seq_len": seq, "batch": batch,
-                         "reference": type(reference).__name__, "statistic": "over every evaluation window"},
+                         "reference": "transformers, float32", "reference_seconds": reference.seconds,
+                         "statistic": "paired over the evaluated windows; intervals by bootstrap over windows",
+                         "sequential": {k: v for k, v in metrics["sequential"].items() if k != "decisions"}},
             "throughput": speed_cond,
             "latency": latency["conditions"],
             "memory": memory["conditions"],
@@ -131,8 +184,8 @@ def previous_engine(sessions, spec: BuildSpec, build_key: str, data: dict | None
             if not validation.get("metrics"):
                 continue
             pdata = (row.provenance or {}).get("data") or {}
-            settings = {k: v for k, v in (pspec.get("evaluation") or {}).items() if k != "dataset"}
-            same_eval = (settings == spec.evaluation.model_dump(exclude={"dataset"})
+            settings = {k: v for k, v in (pspec.get("evaluation") or {}).items() if k not in UNCOMPARED}
+            same_eval = (settings == spec.evaluation.model_dump(exclude=set(UNCOMPARED))
                          and (data is None or pdata.get("evaluation") == data.get("evaluation")))
             return {"digest": row.digest, "build_key": row.build_key, "status": row.status,
                     "created_at": row.created_at.isoformat() if row.created_at else None,

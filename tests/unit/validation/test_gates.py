@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from validation.gates import DEFAULT_GATES, effective_gates, evaluate
+from validation.gates import DEFAULT_GATES, TASK_GATE, effective_gates, evaluate
 
-GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "min_throughput_tps")
+GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", TASK_GATE, "min_throughput_tps")
 
 
 def metrics(ppl=1.0, top1=0.95, kl=0.01, tps=(100.0, 250.0)):
@@ -28,6 +28,7 @@ def test_default_gates_cover_every_gate_and_fp8_is_tighter():
     assert fp8["max_ppl_increase_pct"] < nvfp4["max_ppl_increase_pct"]
     assert fp8["max_mean_kl"] < nvfp4["max_mean_kl"]
     assert fp8["min_top1_agreement"] > nvfp4["min_top1_agreement"]
+    assert fp8[TASK_GATE] < nvfp4[TASK_GATE]
 
 
 def test_effective_gates_overrides_one_and_keeps_the_rest():
@@ -47,9 +48,10 @@ def test_effective_gates_does_not_modify_the_defaults():
 def test_one_verdict_per_gate_with_value_and_threshold():
     gates = DEFAULT_GATES["fp8"]
     verdicts = evaluate(metrics(), gates)
-    assert [v["name"] for v in verdicts] == list(gates)
+    assert [v["name"] for v in verdicts] == [g for g in gates if g != TASK_GATE]  # no tasks: no task verdict
     v = by_name(verdicts)
-    assert v["max_ppl_increase_pct"] == {"name": "max_ppl_increase_pct", "threshold": 3.0, "value": 1.0, "passed": True}
+    assert v["max_ppl_increase_pct"] == {"name": "max_ppl_increase_pct", "threshold": 3.0, "value": 1.0, "passed": True,
+                                         "decision": "pass"}
     assert v["min_throughput_tps"]["value"] == 250.0  # the peak across the envelope
     assert all(x["passed"] is True for x in verdicts)
 
@@ -70,7 +72,7 @@ def test_throughput_gate_uses_the_peak_and_fails_without_measurements():
     assert evaluate(metrics(tps=(0.5, 2.0)), {"min_throughput_tps": 1.0})[0]["passed"] is True
     assert evaluate(metrics(tps=(0.5, 0.9)), {"min_throughput_tps": 1.0})[0]["passed"] is False
     assert evaluate(metrics(tps=()), {"min_throughput_tps": 1.0})[0] == {
-        "name": "min_throughput_tps", "threshold": 1.0, "value": 0.0, "passed": False}
+        "name": "min_throughput_tps", "threshold": 1.0, "value": 0.0, "passed": False, "decision": "fail"}
 
 
 @pytest.mark.parametrize("metric", ["ppl", "kl", "top1"])
@@ -97,3 +99,24 @@ def test_negative_infinite_agreement_fails():
 def test_only_the_given_gates_are_judged():
     assert [v["name"] for v in evaluate(metrics(), {"max_mean_kl": 0.1})] == ["max_mean_kl"]
     assert evaluate(metrics(), {}) == []
+
+
+def interval(low, high):
+    return {"low": low, "high": high, "confidence": 0.95}
+
+
+@pytest.mark.parametrize("low, high, decision", [(1.0, 2.9, "pass"), (2.0, 3.5, "undecided"), (3.2, 4.0, "fail")])
+def test_an_accuracy_gate_with_an_interval_is_decided_on_it(low, high, decision):
+    m = {**metrics(ppl=(low + high) / 2), "intervals": {"ppl_increase_pct": interval(low, high)}}
+    [v] = evaluate(m, {"max_ppl_increase_pct": 3.0})
+    assert v["decision"] == decision and v["passed"] is (decision == "pass")
+    assert v["interval"] == [low, high] and v["confidence"] == 0.95
+
+
+def test_the_task_gate_gives_one_verdict_per_task():
+    tasks = [{"task": "a", "drop_pts": 0.5, "interval": interval(-1.0, 2.0)},
+             {"task": "b", "drop_pts": 6.0, "interval": interval(4.0, 8.0)},
+             {"task": "c", "drop_pts": 1.0, "interval": interval(-5.0, 7.0)}]
+    verdicts = evaluate({**metrics(), "tasks": tasks}, {TASK_GATE: 3.0})
+    assert [(v["task"], v["decision"], v["passed"]) for v in verdicts] == [
+        ("a", "pass", True), ("b", "fail", False), ("c", "undecided", False)]

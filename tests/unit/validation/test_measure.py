@@ -176,7 +176,42 @@ def test_decode_latency_of_the_tiny_model_at_batch_1_and_the_maximum_batch():
         assert p["decode_tokens_per_s"] == pytest.approx(p["batch_size"] / (p["tpot_ms"] / 1e3))
     assert out["ttft_ms"] == out["points"][0]["ttft_ms"] and out["tpot_ms"] == out["points"][0]["tpot_ms"]
     c = out["conditions"]
-    assert c["kv_cache"] is False and "without a KV cache" in c["note"] and c["new_tokens"] == 8
+    assert c["kv_cache"] is True and "KV cache" in c["method"] and c["new_tokens"] == 8 and "tpot" not in c
+
+
+def test_the_kv_cache_decode_generates_what_the_full_forward_decode_does_and_each_step_is_one_token():
+    from validation.runners import CheckpointRunner
+
+    engine = CheckpointRunner(TINY)
+    prompt = torch.randint(0, 2048, (2, 40), generator=torch.Generator().manual_seed(5))
+    _, full = greedy_decode(engine, prompt, 8)
+    steps, cached = engine.decode(prompt, 8)
+    assert torch.equal(cached, full) and len(steps) == 8
+    seen = []
+    handle = engine.built.model.model.embed_tokens.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[1]))
+    try:
+        engine.decode(prompt, 4)
+    finally:
+        handle.remove()
+    assert seen == [40, 1, 1, 1]  # the prefill, then one new token per step: a KV cache, not a re-run
+
+
+def test_an_engine_without_a_kv_cache_reports_ttft_and_no_tpot():
+    from validation.runners import CheckpointRunner
+
+    class NoCache:  # the aot-inductor runner's shape: logits only
+        device, kv_cache = "cpu", False
+
+        def __init__(self):
+            self._inner = CheckpointRunner(TINY)
+
+        def logits(self, ids):
+            return self._inner.logits(ids)
+
+    out = decode_latency(NoCache(), prof(batch=2, inp=32, seq=40, tokens=80), vocab=2048, new_tokens=8, reps=2)
+    assert all(p["ttft_ms"] > 0 and p["tpot_ms"] is None and p["decode_tokens_per_s"] is None for p in out["points"])
+    assert out["tpot_ms"] is None and out["conditions"]["kv_cache"] is False
+    assert out["conditions"]["tpot"].startswith("not measured")
 
 
 def test_peak_memory_in_a_fresh_process_counts_weights_and_grows_with_the_corner(fp8_export):

@@ -89,7 +89,7 @@ def test_the_real_validation_measured_the_whole_envelope(real):
     assert [p["batch_size"] for p in m["latency"]] == [1, 2]
     assert all(p["prompt_len"] + p["new_tokens"] <= 96 and p["new_tokens"] == 16 for p in m["latency"])
     assert m["ttft_ms"] > 0 and m["tpot_ms"] > 0
-    assert c["latency"]["kv_cache"] is False and "without a KV cache" in c["latency"]["note"]
+    assert c["latency"]["kv_cache"] is True  # the checkpoint runner decodes with transformers' KV cache
     # a fresh process: the engine's weights (1.4 M parameters, fp32 once dequantized) and the corner's logits
     # (2 × 96 × 2048 floats) at least, far from the runtime's own ~300 MB
     assert 2 * 96 * 2048 * 4 < m["peak_memory_bytes"] < 300e6
@@ -97,7 +97,8 @@ def test_the_real_validation_measured_the_whole_envelope(real):
     assert c["memory"]["runtime_bytes"] > 50e6 and c["memory"]["hwm_reset"] is True
     assert [g["name"] for g in v["gates"]][-1] == "max_peak_memory_bytes"
     assert "75%" in c["gate_sources"]["max_peak_memory_bytes"]
-    assert set(v["not_judged"]) == {"max_throughput_drop_pct", "max_accuracy_regression_pct"}  # no previous
+    assert set(v["not_judged"]) == {"max_throughput_drop_pct", "max_accuracy_regression_pct",  # no previous engine
+                                    "max_task_accuracy_drop_pts"}  # no tasks
 
 
 # -- JSON ------------------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def test_json_carries_the_metrics_under_their_names(passing, real):
     assert doc["digest"] == DIGEST and doc["engine"]["digest"] == DIGEST and doc["schema"] == SCHEMA
     assert doc["spec"]["precision"] == "fp8" and doc["spec"]["backend"] == "checkpoint"
     assert doc["spec"]["profile"]["max_seq_len"] == 96 and doc["spec"]["checkpoint_content"]["digest"]
-    assert doc["conditions"]["latency"]["kv_cache"] is False and doc["conditions"]["memory"]["method"]
+    assert doc["conditions"]["latency"]["kv_cache"] is True and doc["conditions"]["memory"]["method"]
     assert [s["name"] for s in doc["stages"]] == ["resolve", "quantize", "compile", "validate"]
     assert REPORT_TYPE == "application/vnd.kiln.validation-report.v1+json"
 
@@ -166,7 +167,7 @@ def test_html_puts_the_verdict_first_and_draws_every_chart(passing):
     assert len(charts["chart-throughput"].findall(f"{ns}rect")) == 2  # batch 1 and 2 at max_input_len
     assert len(charts["chart-timeline"].findall(f"{ns}rect")) == 4  # one bar per stage
     assert len(charts["chart-accuracy"].findall(f"{ns}rect")) == 2  # reference and this engine (no previous)
-    assert "without a KV cache" in html and "index status: fresh" in html
+    assert "TPOT ms" in html and "index status: fresh" in html and "95 % interval" in html
 
 
 def test_html_is_self_contained(passing, failing):
@@ -259,3 +260,9 @@ def test_the_report_shows_every_rung_the_ladder_tried_escaped(real):
     assert section.count("<tr>") == 3  # the header and one row per rung
     assert "FAIL max_ppl_increase_pct" in section and "3.51" in section and "screen 9.0 s" in section
     assert "<script>" not in section and "&lt;script&gt;" in section
+
+
+def test_html_says_when_tpot_was_not_measured(passing):
+    doc = json.loads(json.dumps(passing))
+    doc["conditions"]["latency"] = {"kv_cache": False, "tpot": "not measured: this engine has no KV cache"}
+    assert "TPOT not measured: this engine has no KV cache" in render_html(doc)

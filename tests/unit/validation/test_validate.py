@@ -104,7 +104,7 @@ def test_reference_against_itself(reference, tokens):
     m = accuracy(reference, reference, ids, seq, 8)
     assert m["perplexity"] == m["reference_perplexity"]
     assert m["ppl_increase_pct"] == 0.0 and m["top1_agreement"] == 1.0
-    assert abs(m["mean_kl"]) < 1e-12
+    assert abs(m["mean_kl"]) < 1e-9  # the stored reference log-probabilities are float32
     assert m["tokens"] == EVAL_TOKENS and m["seq_len"] == 128
     assert 5 < m["reference_perplexity"] < 100  # a trained model: far below a uniform 2048
 
@@ -145,7 +145,8 @@ def test_undamaged_nvfp4_export_passes_the_default_gates(nvfp4_export, reference
     m = report["metrics"]
     assert report["passed"], report["gates"]
     assert 0 < m["ppl_increase_pct"] < 15 and m["top1_agreement"] > 0.7 and m["mean_kl"] < 0.25
-    assert [g["name"] for g in report["gates"]] == [*effective_gates("nvfp4", {}), "max_peak_memory_bytes"]
+    assert [g["name"] for g in report["gates"]] == [*(g for g in effective_gates("nvfp4", {})
+                                                      if g != "max_task_accuracy_drop_pts"), "max_peak_memory_bytes"]
     assert report["conditions"]["eval_batch"] == 1 and report["conditions"]["device"] == "cpu"
     assert {(p["batch_size"], p["seq_len"]) for p in m["throughput"]} == {(1, 256), (1, 64), (1, 128), (1, 512)}
 

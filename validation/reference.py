@@ -1,0 +1,68 @@
+"""The unquantized reference's results on a build's evaluation — computed once per checkpoint × evaluation and
+reused by every build of that checkpoint (any precision, recipe, profile, backend; any worker: the pipeline keeps
+the folder :meth:`Reference.save` writes in the blob store under :func:`kiln.keys.reference_key`).
+
+What is kept: the reference's final hidden states on the held-out text's windows (validation/accuracy.py's
+:class:`~validation.accuracy.ReferenceWindows`; its logits are recomputed from them and the checkpoint's LM head)
+and its per-item outcomes on each evaluation task
+(validation/tasks.py). An engine is then compared with them item by item and window by window.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.spec import BuildSpec
+from validation.accuracy import ReferenceWindows, reference_windows
+from validation.runners import LogitsHead
+from validation.validate import eval_batch, eval_tokens, task_limits
+
+
+@dataclass
+class Reference:
+    windows: ReferenceWindows
+    #: task file digest → the reference's outcomes (validation.tasks.evaluate_task's return value)
+    tasks: dict[str, dict] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def save(self, folder: Path) -> dict:
+        self.windows.save(folder)
+        (folder / "tasks.json").write_text(json.dumps(self.tasks, sort_keys=True))
+        record = {"seconds": round(self.seconds, 3), "windows": len(self.windows), "tasks": len(self.tasks)}
+        (folder / "reference.json").write_text(json.dumps(record, sort_keys=True))
+        return record
+
+    @classmethod
+    def load(cls, folder: Path, checkpoint_dir: Path) -> "Reference":
+        """The stored results, with the LM head read from the checkpoint (validation/accuracy.py)."""
+        meta = json.loads((folder / "reference.json").read_text())
+        return cls(ReferenceWindows.load(folder, LogitsHead.load(checkpoint_dir)),
+                   json.loads((folder / "tasks.json").read_text()), meta["seconds"])
+
+
+def layout(spec: BuildSpec, eval_text_tokens: int | None = None) -> dict:
+    """The evaluation's shape, which the reference's results depend on (part of the reference key)."""
+    seq = min(spec.evaluation.seq_len, spec.batch_profile.max_seq_len)
+    out = {"seq_len": seq, "max_tokens": spec.evaluation.max_tokens, "kept": "final hidden states, float32"}
+    if spec.evaluation.tasks:
+        out["task_max_len"] = task_limits(spec)[1]
+    return out
+
+
+def compute_reference(runner, checkpoint_dir: Path, eval_text: str, spec: BuildSpec,
+                      tasks: dict[str, Path] | None = None) -> Reference:
+    """Run the reference ``runner`` over the evaluation windows and ``tasks`` (digest → task file)."""
+    t = time.perf_counter()
+    ids, seq = eval_tokens(checkpoint_dir, eval_text, spec)
+    windows = reference_windows(runner, ids, seq, eval_batch(spec))
+    outcomes = {}
+    if tasks:
+        from validation.tasks import evaluate_task
+
+        batch, max_len = task_limits(spec)
+        for digest, path in tasks.items():
+            outcomes[digest] = evaluate_task(runner, checkpoint_dir, Path(path), max_batch=batch, max_len=max_len)
+    return Reference(windows, outcomes, time.perf_counter() - t)
