@@ -51,7 +51,7 @@ def test_the_first_engine_has_nothing_to_compare_with(first):
     assert "max_throughput_drop_pct" not in g and "max_accuracy_regression_pct" not in g
     assert g["max_peak_memory_bytes"]["passed"] and g["max_peak_memory_bytes"]["value"] > 0
     m = first["validation"]["metrics"]
-    assert m["ttft_ms"] > 0 and m["tpot_ms"] > 0 and m["peak_memory_bytes"] > 0
+    assert m["ttft_ms"] > 0 and m["tpot_ms"] > 0  # checkpoint: KV-cache decode and m["peak_memory_bytes"] > 0
     assert max(p["seq_len"] for p in m["throughput"]) == 512  # the latency profile's max_seq_len
 
 
@@ -84,7 +84,7 @@ def test_report_json_names_the_metrics_and_the_previous_engine(home, first, seco
     assert doc["verdict"] == ("pass" if second["status"] == "succeeded" else "fail")
     assert doc["regression"]["previous"]["digest"] == first["digest"]
     assert doc["regression"]["previous"]["ppl_increase_pct"] == first["validation"]["metrics"]["ppl_increase_pct"]
-    assert doc["conditions"]["latency"]["kv_cache"] is False
+    assert doc["conditions"]["latency"]["kv_cache"] is True  # the checkpoint runner decodes with a KV cache
     assert [s["name"] for s in doc["stages"]] == ["resolve", "quantize", "compile", "validate"]
     # `-o -` is stdout too, and a model@digest reference works
     again = kiln("report", f"tiny-llama@{second['digest']}", "-o", "-", home=home, check=True)
