@@ -25,7 +25,6 @@ import logging
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -57,7 +56,8 @@ def check_task_file(path: str | Path) -> dict:
     if path.suffix not in (".yaml", ".yml"):
         raise _bad(path, f"unsupported file type {path.suffix or '(none)'!r}", "use a .jsonl of items or an lm-eval .yaml")
     with tempfile.TemporaryDirectory(prefix="kiln-task-check-") as tmp, _quiet():
-        task = _load_task(task_config(path, cache_dir=Path(tmp)), path)
+        cfg = task_config(path, cache_dir=Path(tmp))
+        task = _load_task(cfg, path)
         docs = list(task.eval_docs)
         for i, doc in enumerate(docs):
             try:
@@ -75,7 +75,7 @@ def check_task_file(path: str | Path) -> dict:
         ids = _item_ids(docs)
         if len(set(ids)) != len(ids):
             raise _bad(path, "item ids repeat", "give every item a distinct id (or none, to use positions)")
-        return {"name": task.config.task, "kind": "yaml", "items": len(docs), "metric": _metric_of(task.config),
+        return {"name": task.config.task, "kind": "yaml", "items": len(docs), "metric": _metric_of(cfg),
                 "digest": "sha256:" + hashlib.sha256("".join(f"{d}\n" for d in _yaml_files(path)).encode()).hexdigest()}
 
 
@@ -187,9 +187,9 @@ def task_config(path: str | Path, *, cache_dir: Path) -> dict:
     return cfg
 
 
-def _metric_of(cfg: Any, path: Path | None = None) -> str:
+def _metric_of(cfg: dict, path: Path | None = None) -> str:
     """``acc`` or ``acc_norm``: the first of them in the task's metric list (lm-eval's default list: acc first)."""
-    listed = [m.get("metric") for m in (cfg.get("metric_list") if isinstance(cfg, dict) else cfg.metric_list) or []]
+    listed = [m.get("metric") for m in cfg.get("metric_list") or []]
     if not listed:
         return "acc"
     for name in listed:
