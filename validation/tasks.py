@@ -9,10 +9,9 @@ A task is a file, in one of two forms (docs/tasks.md):
 
 Both run through lm-eval's machinery — its ``TaskManager``, its request building (a choice is scored as the
 continuation ``" " + choice`` of the context), its ``evaluator.evaluate`` and its per-item ``acc`` / ``acc_norm`` —
-with :class:`RunnerLM`, which answers lm-eval's requests with any Kiln runner (token ids in, logits out) inside an
-engine's limits (``max_batch`` rows, ``max_len`` tokens; lm-eval's ``hf`` model's tokenization and truncation, so
-that both agree on an unquantized checkpoint). Nothing is fetched and nothing is written outside a temporary folder:
-the data files are local and the ``datasets`` cache of a run lives and dies in its own temporary folder.
+with :class:`RunnerLM`, which answers lm-eval's requests with any Kiln runner within an engine's limits, tokenizing
+and truncating as lm-eval's ``hf`` model does (both agree on an unquantized checkpoint). Nothing is fetched and
+nothing is written outside a temporary folder (the ``datasets`` cache of a run included).
 """
 
 from __future__ import annotations
@@ -189,12 +188,9 @@ def task_config(path: str | Path, *, cache_dir: Path) -> dict:
 
 def _metric_of(cfg: dict, path: Path | None = None) -> str:
     """``acc`` or ``acc_norm``: the first of them in the task's metric list (lm-eval's default list: acc first)."""
-    listed = [m.get("metric") for m in cfg.get("metric_list") or []]
-    if not listed:
-        return "acc"
-    for name in listed:
-        if name in METRICS:
-            return name
+    listed = [m.get("metric") if isinstance(m, dict) else m for m in cfg.get("metric_list") or []]
+    if chosen := next((m for m in listed if m in METRICS), None if listed else "acc"):
+        return chosen
     raise _bad(path or Path("?"), f"metric_list {listed} has neither acc nor acc_norm", "list acc or acc_norm")
 
 
@@ -203,14 +199,14 @@ def _load_task(cfg: dict, path: Path):
 
     try:
         return next(iter(TaskManager(include_defaults=False).load([cfg])["tasks"].values()))
-    except SpecError:
-        raise
     except Exception as exc:
         raise _bad(path, f"lm-eval cannot load the task: {type(exc).__name__}: {exc}", "fix the task file") from None
 
 
-def _item_ids(docs: list) -> list[str]:
-    return [str(d["id"]) if isinstance(d, dict) and d.get("id") is not None else str(i) for i, d in enumerate(docs)]
+def _item_ids(docs: list, start: int = 0) -> list[str]:
+    """An item's ``id`` field where it has one, else its position in the task: stable across runs and models."""
+    return [str(d["id"]) if isinstance(d, dict) and d.get("id") is not None else str(i)
+            for i, d in enumerate(docs, start)]
 
 
 @contextlib.contextmanager
@@ -290,7 +286,7 @@ class RunnerLM(TemplateLM):
         pad = self.eot_token_id if self.eot_token_id is not None else 0
         x = torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
         self.calls += 1
-        return F.log_softmax(self.runner.logits(x).float(), dim=-1)
+        return F.log_softmax(self.runner.logits(x).float().cpu(), dim=-1)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = True, **kwargs) -> list[tuple[float, bool]]:
         rows = []
@@ -378,10 +374,9 @@ def evaluate_lm(lm, task_path: str | Path, *, limit: int | None = None) -> dict:
         out = evaluator.evaluate(lm=lm, task_dict={"tasks": {task.task_name: task}, "groups": {}, "group_map": {}},
                                  limit=limit, log_samples=True, bootstrap_iters=0)
     samples = sorted(out["samples"][task.task_name], key=lambda s: s["doc_id"])
-    ids = _item_ids([s["doc"] for s in samples])
     metric = info["metric"]
-    items = [{"id": ident, "correct": bool(s[metric] == 1.0), "score": float(s[metric]),
-              "loglikelihoods": [float(r[0]) for r in s["filtered_resps"]]} for ident, s in zip(ids, samples)]
+    items = [{"id": _item_ids([s["doc"]], start=s["doc_id"])[0], "correct": bool(s[metric] == 1.0),
+              "score": float(s[metric]), "loglikelihoods": [float(r[0]) for r in s["filtered_resps"]]} for s in samples]
     n = len(items)
     return {"task": info["name"], "metric": metric, "items": items, "n": n,
             "accuracy": sum(i["score"] for i in items) / n if n else 0.0}
@@ -393,9 +388,10 @@ def evaluate_task(runner, tokenizer_dir: str | Path, task_path: str | Path, *, m
     return evaluate_lm(RunnerLM(runner, tokenizer_dir, max_batch=max_batch, max_len=max_len), task_path, limit=limit)
 
 
-def run_tasks(runner, tokenizer_dir: str | Path, paths: list[str | Path], **kw) -> list[dict]:
+def run_tasks(runner, tokenizer_dir: str | Path, paths: list[str | Path], *, max_batch: int, max_len: int,
+              limit: int | None = None) -> list[dict]:
     """:func:`evaluate_task` for each task file, the tokenizer loaded once; every file is checked before any runs."""
     for p in paths:
         check_task_file(p)
-    lm = RunnerLM(runner, tokenizer_dir, max_batch=kw.pop("max_batch"), max_len=kw.pop("max_len"))
-    return [evaluate_lm(lm, p, **kw) for p in paths]
+    lm = RunnerLM(runner, tokenizer_dir, max_batch=max_batch, max_len=max_len)
+    return [evaluate_lm(lm, p, limit=limit) for p in paths]
