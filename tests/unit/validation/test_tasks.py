@@ -303,3 +303,16 @@ def test_nothing_is_written_outside_temporary_folders(runner, tmp_path, monkeypa
     tasks.evaluate_task(runner, TINY, YAML, max_batch=8, max_len=64, limit=3)
     assert (sorted(cache.rglob("*")) if cache.exists() else []) == before
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_shipped_cloze_task_is_what_its_generator_writes():
+    from scripts.make_cloze_task import SOURCE, make_items, render
+
+    items = make_items(SOURCE.read_text(encoding="utf-8"))
+    assert render(items) == JSONL.read_text(encoding="utf-8")  # deterministic: regenerate with the script
+    assert len(items) == 200 and len({i["id"] for i in items}) == 200
+    for item in items:
+        answer = item["choices"][item["answer"]]
+        assert 30 <= len(item["context"].split()) <= 60 and len(item["choices"]) == 4
+        assert all(c.lower() != answer.lower() for n, c in enumerate(item["choices"]) if n != item["answer"])
+    assert len({i["answer"] for i in items}) == 4  # the right answer is not always in one place
