@@ -22,8 +22,9 @@ from kiln.recipes import RECIPES
 from kiln.spec import BuildSpec
 from validation.gates import evaluate
 
-#: the gates a screen judges (speed and memory are the compiled engine's, judged by validation)
-ACCURACY_GATES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl")
+#: the gates whose failure climbs the ladder (speed and memory are the compiled engine's, judged by validation). A
+#: screen judges the window gates; the task gate (evaluation tasks) is judged on the chosen rung's engine.
+ACCURACY_GATES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "max_task_accuracy_drop_pts")
 KEPT_METRICS = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "tokens",
                 "intervals")
 

@@ -66,7 +66,10 @@ class BuildOutcome:
                 "stages": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3)} for s in self.stages],
                 "validation": {"passed": self.validation.get("passed"), "metrics": self.validation.get("metrics", {}),
                                "gates": self.validation.get("gates", []),
-                               "recipe": self.validation.get("recipe")},
+                               "recipe": self.validation.get("recipe"),
+                               # whether this build computed the unquantized reference's results or reused them
+                               "reference": ((self.validation.get("conditions") or {}).get("accuracy") or {})
+                               .get("reference_cache")},
                 "artifact": self.artifact}
 
 

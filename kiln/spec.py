@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln.backends import BACKENDS
+from kiln.datasets import task_path
 from kiln.errors import SpecError
 from kiln.families import family_of
 from kiln.precisions import PRECISIONS
@@ -251,6 +252,11 @@ def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
     ints = {f"profile.{k}": prof.get(k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")}
     if len(d["evaluation"].tasks) > MAX_TASKS:
         errs.append(_bad("evaluation.tasks", f"{len(d['evaluation'].tasks)} task files", f"give at most {MAX_TASKS}"))
+    for name in d["evaluation"].tasks[:MAX_TASKS]:  # where each is and what kind; its content is checked at resolve
+        try:
+            task_path(name, roots=roots)
+        except SpecError as exc:
+            errs.append(_bad("evaluation.tasks", exc.message, exc.fix))
     ints |= {"tp_size": d["tp_size"], "calibration.samples": d["calibration"].samples,
              "calibration.seq_len": d["calibration"].seq_len, "evaluation.seq_len": d["evaluation"].seq_len,
              "evaluation.max_tokens": d["evaluation"].max_tokens}

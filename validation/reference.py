@@ -18,7 +18,11 @@ from pathlib import Path
 from kiln.spec import BuildSpec
 from validation.accuracy import ReferenceWindows, reference_windows
 from validation.runners import LogitsHead
-from validation.validate import eval_batch, eval_tokens, task_limits
+from validation.validate import eval_tokens, task_limits
+
+#: the reference runner has no shape limits: it runs at this batch whatever the engine's profile (results do not
+#: depend on the batch beyond float rounding)
+REFERENCE_BATCH = 16
 
 
 @dataclass
@@ -57,12 +61,13 @@ def compute_reference(runner, checkpoint_dir: Path, eval_text: str, spec: BuildS
     """Run the reference ``runner`` over the evaluation windows and ``tasks`` (digest → task file)."""
     t = time.perf_counter()
     ids, seq = eval_tokens(checkpoint_dir, eval_text, spec)
-    windows = reference_windows(runner, ids, seq, eval_batch(spec))
+    windows = reference_windows(runner, ids, seq, REFERENCE_BATCH)
     outcomes = {}
     if tasks:
         from validation.tasks import evaluate_task
 
-        batch, max_len = task_limits(spec)
+        _, max_len = task_limits(spec)  # the engine's length limit (it decides truncation), not its batch limit
         for digest, path in tasks.items():
-            outcomes[digest] = evaluate_task(runner, checkpoint_dir, Path(path), max_batch=batch, max_len=max_len)
+            outcomes[digest] = evaluate_task(runner, checkpoint_dir, Path(path), max_batch=REFERENCE_BATCH,
+                                             max_len=max_len)
     return Reference(windows, outcomes, time.perf_counter() - t)

@@ -44,8 +44,10 @@ def eval_batch(spec: BuildSpec) -> int:
 
 
 def task_limits(spec: BuildSpec) -> tuple[int, int]:
-    """(batch, longest sequence) a task's requests are run at: what the engine's profile accepts."""
-    return eval_batch(spec), spec.batch_profile.max_seq_len
+    """(batch, longest request) a task is run at: what the engine's profile accepts — a request is a prompt, so at
+    most ``max_input_len`` tokens, leaving one of ``max_seq_len`` to generate (a TensorRT-LLM engine needs it)."""
+    profile = spec.batch_profile
+    return eval_batch(spec), min(profile.max_input_len, profile.max_seq_len - 1)
 
 
 def task_accuracy(engine, reference, tokenizer_dir: Path, spec: BuildSpec, tasks: dict[str, Path]) -> list[dict]:

@@ -268,12 +268,33 @@ function gateValue(name, v) {
 function gatesTable(gates) {
   if (!gates || !gates.length) return h("p", { class: "empty" }, "No gates recorded.");
   return h("table", { id: "gates" },
-    h("thead", null, h("tr", null, ["gate", "value", "threshold", ""].map((t) => h("th", null, t)))),
+    h("thead", null, h("tr", null, ["gate", "value", "95 % interval", "threshold", ""].map((t) => h("th", null, t)))),
     h("tbody", null, gates.map((g) => h("tr", null,
-      h("td", { class: "mono" }, g.name),
+      h("td", { class: "mono" }, g.name + (g.task ? "[" + g.task + "]" : "")),
       h("td", { class: "num" }, gateValue(g.name, g.value)),
+      h("td", { class: "num" }, g.interval ? "[" + gateValue(g.name, g.interval[0]) + ", " + gateValue(g.name, g.interval[1]) + "]" : ""),
       h("td", { class: "num" }, (g.name.startsWith("max_") ? "≤ " : "≥ ") + gateValue(g.name, g.threshold)),
-      h("td", null, badge(g.passed ? "pass" : "fail"))))));
+      h("td", null, badge(g.decision || (g.passed ? "pass" : "fail")))))));
+}
+
+function sequentialNote(m) {
+  const s = m.sequential;
+  if (!s) return null;
+  return h("p", { class: "sub", id: "sequential" }, "evaluated " + s.windows + " of " + s.of + " windows" +
+    (s.stopped_early ? " (stopped once every accuracy gate was decided; " + (s.of - s.windows) + " skipped)" : "") +
+    "; intervals at " + (s.confidence_per_look * 100).toFixed(1) + " % per look over " + s.looks.length + " looks");
+}
+
+function tasksTable(tasks) {
+  if (!tasks || !tasks.length) return null;
+  const iv = (t) => "[" + t.interval.low.toFixed(2) + ", " + t.interval.high.toFixed(2) + "]";
+  return h("table", { id: "tasks" },
+    h("thead", null, h("tr", null, ["task", "items", "engine", "reference", "drop (pts)", "95 % interval", "detectable"]
+      .map((t) => h("th", null, t)))),
+    h("tbody", null, tasks.map((t) => h("tr", null, h("td", { class: "mono" }, t.task),
+      h("td", { class: "num" }, t.items), h("td", { class: "num" }, pct(t.engine_accuracy)),
+      h("td", { class: "num" }, pct(t.reference_accuracy)), h("td", { class: "num" }, t.drop_pts.toFixed(2)),
+      h("td", { class: "num" }, iv(t)), h("td", { class: "num" }, t.mde_pts.toFixed(2))))));
 }
 
 function throughputTable(points) {
@@ -322,7 +343,8 @@ async function renderEngine(view, digest) {
     h("div", { class: "cols" },
       h("section", { class: "card", id: "validation" },
         h("h2", null, "Validation", badge(v.passed ? "pass" : "fail"), h("span", { class: "muted" }, reportLink)),
-        metricsTable(m), h("h3", null, "Gates"), gatesTable(v.gates)),
+        metricsTable(m), sequentialNote(m), (m.tasks && m.tasks.length) ? h("h3", null, "Tasks") : null,
+        tasksTable(m.tasks), h("h3", null, "Gates"), gatesTable(v.gates)),
       h("section", { class: "card", id: "charts" },
         h("h2", null, "Throughput", h("span", { class: "muted" }, "prefill tokens/s inside the profile's envelope")),
         charts, throughputTable(m.throughput))),

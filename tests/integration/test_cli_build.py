@@ -76,6 +76,9 @@ class TestTheQuickStartBuild:
         assert stages(out)["quantize"] == "cached"
         assert stages(out)["compile"] == "ran" and stages(out)["validate"] == "ran"
         assert out["digest"] != fp8["digest"] and out["build_key"] != fp8["build_key"]
+        # the same evaluation (windows capped by the same max_seq_len): the unquantized reference is not run again
+        assert fp8["validation"]["reference"]["reused"] is False and out["validation"]["reference"]["reused"] is True
+        assert out["validation"]["reference"]["key"] == fp8["validation"]["reference"]["key"]
         assert out["artifact"]["tag"] == "fp8-cpu-balanced"
         batches = {p["batch_size"] for p in out["validation"]["metrics"]["throughput"]}
         assert batches == {1, 2, 4, 8}
@@ -161,6 +164,9 @@ def test_nvfp4_build_validates_from_the_exported_tensors(tmp_path):
     (["--max-batch-size", "0"], "profile.max_batch_size"),
     (["--gate", "speed=3"], "gates.speed"),
     (["--backend", "trtllm-engine", "--target", "h100", "--precision", "nvfp4"], "target"),
+    (["--eval-task", "examples/tasks/no-such-task.jsonl"], "evaluation.tasks"),
+    (["--eval-task", "README.md"], "evaluation.tasks"),
+    (["--eval-task", "/etc/hostname"], "evaluation.tasks"),
 ])
 def test_bad_spec_exits_2_naming_the_field_and_writes_nothing(tmp_path, args, field):
     home = tmp_path / "fresh"

@@ -1,16 +1,26 @@
 """FP8 on a real trained model (SmolLM2-135M-Instruct), on the defaults a user gets: a plain ``kiln build`` publishes
 an engine — judged on real weights, not on random ones (the ladder's climb is tests/integration/test_ladder.py on
-the shipped model and test_real_nvfp4.py on this one)."""
+the shipped model and test_real_nvfp4.py on this one). The build brings one local task (the shipped held-out
+cloze task): its accuracy for engine and reference, paired, with an interval; every accuracy gate decided on its
+interval; and a second build of the same checkpoint (the checkpoint artifact) reuses the reference."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.realmodels import kiln_json, rungs, smollm2
+from tests.conftest import REPO
+from tests.realmodels import kiln_json, smollm2
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
+
+TASK = REPO / "examples" / "tasks" / "heldout-cloze.jsonl"
+ACCURACY_GATES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "max_task_accuracy_drop_pts")
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +35,25 @@ def home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(ckpt, home) -> dict:
-    code, out, err = kiln_json("build", str(ckpt), "--precision", "fp8", home=home, checkpoint=ckpt)
+    code, out, err = kiln_json("build", str(ckpt), "--precision", "fp8", "--eval-task", str(TASK), home=home,
+                               checkpoint=ckpt)
     assert code == 0, err[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def second(ckpt, home, plain) -> dict:
+    code, out, err = kiln_json("build", str(ckpt), "--precision", "fp8", "--backend", "checkpoint", "--eval-task",
+                               str(TASK), home=home, checkpoint=ckpt)
+    assert code in (0, 1), err[-3000:]
+    return out
+
+
+def report(digest: str, home: Path, ckpt: Path) -> dict:
+    env = {**os.environ, "KILN_HOME": str(home), "KILN_CHECKPOINT_ROOTS": f"{REPO}{os.pathsep}{ckpt.parent}"}
+    proc = subprocess.run([sys.executable, "-m", "api.cli", "report", digest, "--format", "json"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(proc.stdout)
 
 
 class TestFP8OnSmolLM2:
@@ -38,3 +64,35 @@ class TestFP8OnSmolLM2:
         assert 0 < m["ppl_increase_pct"] < 3 and m["mean_kl"] < 0.05 and m["top1_agreement"] > 0.85
         recipe = plain["validation"]["recipe"]
         assert recipe == {"requested": "auto", "built": "fp8"}  # the first rung passed: no other rung was tried
+
+    def test_every_accuracy_gate_is_decided_on_its_interval(self, plain):
+        gates = [g for g in plain["validation"]["gates"] if g["name"] in ACCURACY_GATES]
+        assert {g["name"] for g in gates} == set(ACCURACY_GATES)
+        for g in gates:
+            low, high = g["interval"]
+            assert low <= g["value"] <= high and g["decision"] == "pass", g
+            assert (high <= g["threshold"]) if g["name"].startswith("max_") else (low >= g["threshold"])
+        m = plain["validation"]["metrics"]
+        assert m["sequential"]["windows"] <= m["sequential"]["of"] == 128
+        assert m["mde"]["ppl_increase_pct"]["paired"] < 3  # this evaluation could see a change the gate cares about
+
+    def test_the_task_shows_engine_and_reference_accuracy_paired(self, plain):
+        [task] = plain["validation"]["metrics"]["tasks"]
+        assert task["task"] == "heldout-cloze" and task["items"] == len(task["outcomes"]) == 200
+        assert task["reference_accuracy"] > 0.6  # a trained model; a guess gets 0.25
+        engine = sum(o["engine"] for o in task["outcomes"]) / 200
+        reference = sum(o["reference"] for o in task["outcomes"]) / 200
+        assert task["engine_accuracy"] == pytest.approx(engine) and task["reference_accuracy"] == pytest.approx(reference)
+        assert task["drop_pts"] == pytest.approx((reference - engine) * 100)
+        assert task["interval"]["low"] <= task["drop_pts"] <= task["interval"]["high"]
+        assert task["unpaired_items_needed"] > task["items"]  # pairing is what makes 200 items enough
+
+    def test_a_second_build_of_the_checkpoint_reuses_the_reference(self, plain, second, home, ckpt):
+        first, again = report(plain["digest"], home, ckpt), report(second["digest"], home, ckpt)
+        one, two = first["conditions"]["accuracy"], again["conditions"]["accuracy"]
+        assert one["reference_cache"]["reused"] is False and two["reference_cache"]["reused"] is True
+        assert one["reference_cache"]["key"] == two["reference_cache"]["key"]
+        [t1], [t2] = first["tasks"], again["tasks"]
+        assert [o["reference"] for o in t1["outcomes"]] == [o["reference"] for o in t2["outcomes"]]
+        assert again["latency"][0]["tpot_ms"] > 0  # the checkpoint artifact decodes with a KV cache
+        assert first["tpot_ms"] is None  # the aot-inductor engine has none: not measured

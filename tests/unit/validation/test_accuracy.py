@@ -73,7 +73,7 @@ def test_the_kl_is_over_the_whole_vocabulary(stored, reference, ids, fp8_export)
     le = F.log_softmax(engine.logits(w[:, :-1]).double(), -1)
     full = float((lr.exp() * (lr - le)).sum(-1).mean())
     short = ReferenceWindows(SEQ, stored.hidden[:16], stored.head)
-    assert accuracy(engine, short, ids[: 16 * SEQ + 1], SEQ, 8, sequential=False)["mean_kl"] == pytest.approx(full, rel=1e-9)
+    assert accuracy(engine, short, ids[: 16 * SEQ + 1], SEQ, 8, sequential=False)["mean_kl"] == pytest.approx(full, rel=1e-5)
 
 
 def test_a_clean_engine_is_decided_at_the_first_look(stored, reference, ids):
