@@ -27,7 +27,7 @@ from validation import stats
 from validation.runners import LogitsHead
 
 #: sequential evaluation: at least this share of the windows (and this many) before the first look
-FLOOR_FRACTION, FLOOR_MIN = 0.25, 16
+FLOOR_FRACTION, FLOOR_MIN = 0.125, 16
 LOOKS = 6  # planned looks after the floor, at most
 WINDOW_METRICS = ("ppl_increase_pct", "mean_kl", "top1_agreement")
 GATE_METRIC = {"max_ppl_increase_pct": "ppl_increase_pct", "max_mean_kl": "mean_kl",

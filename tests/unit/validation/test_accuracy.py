@@ -109,8 +109,9 @@ def test_without_gates_every_window_is_evaluated_at_95_percent(stored, reference
     assert m["mde"]["ppl_increase_pct"]["windows"] == 64 and m["mde"]["ppl_increase_pct"]["paired"] > 0
 
 
-def test_the_looks_start_at_a_quarter_and_are_at_most_seven():
-    assert plan_looks(128, 16) == [32, 48, 64, 80, 96, 112, 128]
+def test_the_looks_start_at_an_eighth_and_at_16_windows_and_are_at_most_seven():
+    assert plan_looks(128, 16) == [16, 35, 54, 73, 92, 111, 128]
+    assert plan_looks(512, 16) == [64, 139, 214, 289, 364, 439, 512]
     assert plan_looks(64, 8) == [16, 24, 32, 40, 48, 56, 64]
     assert plan_looks(10, 8) == [10]
 
