@@ -189,7 +189,9 @@ def gate_line(g: dict) -> str:
     """``gate NAME  value [low, high] ≤ threshold  pass|FAIL|UNDECIDED``."""
     op = "≤" if g["name"].startswith("max_") else "≥"
     name = g["name"] + (f"[{g['task']}]" if g.get("task") else "")
-    interval = f" [{g['interval'][0]:.4g}, {g['interval'][1]:.4g}]" if g.get("interval") else ""
+    interval = (f" [{g['interval'][0]:.4g}, {g['interval'][1]:.4g}]"
+                + (f" ({g['confidence'] * 100:.3g} %)" if isinstance(g.get("confidence"), (int, float)) else "")
+                if g.get("interval") else "")
     decision = g.get("decision") or ("pass" if g["passed"] else "fail")
     word = {"pass": "pass", "fail": "FAIL", "undecided": "UNDECIDED (evaluate more to decide)"}.get(decision, decision)
     return f"gate {name:<22} {g['value']:>12.4f}{interval} {op} {g['threshold']:<10g} {word}"

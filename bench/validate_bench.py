@@ -71,7 +71,7 @@ print(json.dumps({"mode": mode, "precision": precision, "seconds": seconds, "imp
                   "ppl_increase_pct": m["ppl_increase_pct"], "mean_kl": m["mean_kl"],
                   "top1_agreement": m["top1_agreement"], "tokens": m["tokens"], "tpot_ms": m.get("tpot_ms"),
                   "ttft_ms": m.get("ttft_ms"), "intervals": m.get("intervals"),
-                  "windows": (m.get("sequential") or {}).get("windows")}))
+                  "windows": (m.get("sequential") or {}).get("windows"), "mde": m.get("mde")}))
 '''
 
 
@@ -135,6 +135,11 @@ def main() -> None:
         print(f"{r['mode']:<9} {r['precision']:<9} {r['seconds']:>8.1f} {'pass' if r['passed'] else 'FAIL':<8} "
               f"{r['ppl_increase_pct']:>8.2f} {r['mean_kl']:>8.4f} {r['top1_agreement']:>7.3f} {r['tokens']:>7} "
               f"{tpot:>8}  {', '.join(r['failed']) or '—'}")
+    for r in rows:
+        if r.get("mde"):
+            d = r["mde"]["ppl_increase_pct"]
+            print(f"{r['mode']:<9} smallest detectable perplexity increase {d['paired']:.2f} % over {d['windows']} "
+                  f"windows, paired; an unpaired comparison would need {d['unpaired_windows_needed']} windows")
     print(f"cold / baseline (fp8): {rows[1]['seconds'] / rows[0]['seconds']:.3f}   "
           f"warm / baseline ({args.second}): {rows[3]['seconds'] / rows[2]['seconds']:.3f}   "
           f"same verdicts: {rows[0]['passed'] == rows[1]['passed'] and rows[2]['passed'] == rows[3]['passed']}")

@@ -139,10 +139,12 @@ def _decision(g: dict) -> str:
 
 
 def _interval(g: dict) -> str:
+    """``[low, high] (99.3 %)``: the interval the gate was decided on, at its confidence."""
     iv = g.get("interval")
     if not iv:
         return "—"
-    return f"[{_gate_value(g['name'], iv[0])}, {_gate_value(g['name'], iv[1])}]"
+    conf = f" ({_fmt(g['confidence'] * 100, 3)} %)" if isinstance(g.get("confidence"), (int, float)) else ""
+    return f"[{_gate_value(g['name'], iv[0])}, {_gate_value(g['name'], iv[1])}]{conf}"
 
 
 def _not_judged(doc: dict) -> dict[str, str]:
@@ -229,7 +231,7 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
                      _Html(f'<span class="{"pass-cell" if ok else "fail-cell"}">{escape(_decision(g))}</span>')])
     for gname, why in _not_judged(doc).items():
         rows.append([gname, "—", "", "", _Html(f'<span class="skip-cell">not judged: {escape(str(why))}</span>')])
-    parts.append("<h2>Gates</h2>" + _table(["gate", "value", "95 % interval", "threshold", "verdict"], rows, (1,)))
+    parts.append("<h2>Gates</h2>" + _table(["gate", "value", "interval", "threshold", "verdict"], rows, (1,)))
     parts.append(_sequential_note(doc))
     parts += _recipe_section(doc.get("quantization") or {})
 
@@ -403,7 +405,7 @@ def _detectable_section(doc: dict) -> list[str]:
         m = mde.get(name) or {}
         rows.append([name, _fmt(iv.get("value")), f"[{_fmt(iv.get('low'))}, {_fmt(iv.get('high'))}]",
                      _fmt(m.get("paired")), _fmt(m.get("windows")), _fmt(m.get("unpaired_windows_needed"))])
-    return [_table(["metric", "value", "interval", "smallest detectable change (paired)", "windows",
+    return [_table(["metric", "value", "interval (at the last look's confidence)", "smallest detectable change (paired)", "windows",
                     "windows an unpaired test would need"], rows, (1, 3, 4, 5))]
 
 
@@ -445,7 +447,7 @@ def render_junit(doc: dict) -> str:
         detail = (f"{_gate_name(g)}: value {_gate_value(g['name'], g['value'])} {_op(g['name'])} threshold "
                   f"{_gate_value(g['name'], g['threshold'])}")
         if g.get("interval"):
-            detail += f", 95 % interval {_interval(g)}: {_decision(g)}"
+            detail += f", interval {_interval(g)}: {_decision(g)}"
         if g.get("against"):
             detail += f" (against the previous engine {g['against']})"
         if not g.get("passed"):

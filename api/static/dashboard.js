@@ -268,11 +268,12 @@ function gateValue(name, v) {
 function gatesTable(gates) {
   if (!gates || !gates.length) return h("p", { class: "empty" }, "No gates recorded.");
   return h("table", { id: "gates" },
-    h("thead", null, h("tr", null, ["gate", "value", "95 % interval", "threshold", ""].map((t) => h("th", null, t)))),
+    h("thead", null, h("tr", null, ["gate", "value", "interval", "threshold", ""].map((t) => h("th", null, t)))),
     h("tbody", null, gates.map((g) => h("tr", null,
       h("td", { class: "mono" }, g.name + (g.task ? "[" + g.task + "]" : "")),
       h("td", { class: "num" }, gateValue(g.name, g.value)),
-      h("td", { class: "num" }, g.interval ? "[" + gateValue(g.name, g.interval[0]) + ", " + gateValue(g.name, g.interval[1]) + "]" : ""),
+      h("td", { class: "num" }, g.interval ? "[" + gateValue(g.name, g.interval[0]) + ", " + gateValue(g.name, g.interval[1]) + "]" +
+        (typeof g.confidence === "number" ? " (" + Number((g.confidence * 100).toFixed(1)) + " %)" : "") : ""),
       h("td", { class: "num" }, (g.name.startsWith("max_") ? "≤ " : "≥ ") + gateValue(g.name, g.threshold)),
       h("td", null, badge(g.decision || (g.passed ? "pass" : "fail")))))));
 }

@@ -167,7 +167,7 @@ def test_html_puts_the_verdict_first_and_draws_every_chart(passing):
     assert len(charts["chart-throughput"].findall(f"{ns}rect")) == 2  # batch 1 and 2 at max_input_len
     assert len(charts["chart-timeline"].findall(f"{ns}rect")) == 4  # one bar per stage
     assert len(charts["chart-accuracy"].findall(f"{ns}rect")) == 2  # reference and this engine (no previous)
-    assert "TPOT ms" in html and "index status: fresh" in html and "95 % interval" in html
+    assert "TPOT ms" in html and "index status: fresh" in html and "interval" in html
 
 
 def test_html_is_self_contained(passing, failing):
@@ -266,3 +266,16 @@ def test_html_says_when_tpot_was_not_measured(passing):
     doc = json.loads(json.dumps(passing))
     doc["conditions"]["latency"] = {"kv_cache": False, "tpot": "not measured: this engine has no KV cache"}
     assert "TPOT not measured: this engine has no KV cache" in render_html(doc)
+
+
+def test_an_undecided_gate_shows_its_interval_and_fails_in_every_format(passing):
+    doc = json.loads(json.dumps(passing))
+    gate = next(g for g in doc["gates"] if g["name"] == "max_ppl_increase_pct")
+    gate.update(value=2.9, interval=[2.1, 3.7], confidence=0.99, decision="undecided", passed=False)
+    doc["passed"], doc["verdict"] = False, "fail"
+    html = render_html(doc)
+    assert "[2.1, 3.7] (99 %)" in html and "UNDECIDED" in html
+    junit = ET.fromstring(render_junit(doc))
+    [case] = [c for c in junit.iter("testcase") if c.get("name") == "max_ppl_increase_pct"]
+    failure = case.find("failure")
+    assert failure is not None and "interval [2.1, 3.7] (99 %): UNDECIDED" in failure.text
