@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+import kiln
+
 from api.errors import exit_code
 from kiln.errors import KilnError, SpecError
 
@@ -51,6 +53,7 @@ def _quiet_libraries() -> None:
 
 
 @click.group(cls=KilnGroup)
+@click.version_option(kiln.__version__, "--version", prog_name="kiln", message="%(prog)s %(version)s")
 def main() -> None:
     """Kiln: checkpoints in, validated, versioned engines out."""
     _quiet_libraries()
@@ -319,6 +322,7 @@ def artifacts() -> None:
 @artifacts.command("list")
 @click.option("--json", "as_json", is_flag=True)
 def artifacts_list(as_json: bool) -> None:
+    """Every engine in the local index, oldest first: digest, repository:tag, status, backend."""
     from sqlalchemy import select
 
     from kiln.models import Artifact
@@ -349,6 +353,7 @@ def _find_artifact(sessions, ref: str):
 @artifacts.command("show")
 @click.argument("digest")
 def artifacts_show(digest: str) -> None:
+    """One engine's index row as JSON (provenance, validation, status), by [model@]sha256:… digest."""
     _, _, sessions = _context()
     row = _find_artifact(sessions, digest)
     click.echo(json.dumps({**row.summary(), "provenance": row.provenance, "validation": row.validation}, indent=2))
@@ -410,6 +415,8 @@ def db_group() -> None:
 @db_group.command("upgrade")
 @click.option("--revision", default="head", show_default=True)
 def db_upgrade(revision: str) -> None:
+    """Migrate the database (KILN_DATABASE_URL, default SQLite under KILN_HOME) up to --revision (default: the
+    newest)."""
     from kiln import db
     from kiln.settings import get_settings
 
@@ -420,6 +427,8 @@ def db_upgrade(revision: str) -> None:
 @db_group.command("downgrade")
 @click.argument("revision")
 def db_downgrade(revision: str) -> None:
+    """Migrate the database (KILN_DATABASE_URL, default SQLite under KILN_HOME) down to REVISION (an Alembic
+    revision id, or -1 for one step)."""
     from kiln import db
     from kiln.settings import get_settings
 

@@ -205,6 +205,8 @@ def check_checkpoint_ref(ref: str, roots: list[Path], *, resolved: dict | None =
         # the reference as given: its resolved form would show the server's working directory or $HOME
         return _bad("checkpoint", f"{ref!r} is outside the allowed checkpoint roots",
                     "move it under a root or add its parent to KILN_CHECKPOINT_ROOTS")
+    if not path.exists():
+        return _bad("checkpoint", f"{ref!r} does not exist", "give the path of a checkpoint directory")
     if not (path / "config.json").is_file():
         return _bad("checkpoint", f"{ref!r} is not a checkpoint directory (no config.json)",
                     "give a Hugging Face format directory holding config.json and *.safetensors")
