@@ -333,10 +333,14 @@ def test_remote_references_are_kept_verbatim():
 def test_local_directory_without_config_json_is_refused(tmp_path):
     root = tmp_path.resolve()
     (root / "empty").mkdir()
-    for ref in (f"{root}/empty", f"{root}/missing"):
-        err = refuse(roots=[root], checkpoint=ref)
-        assert err.field == "checkpoint"
-        assert "config.json" in err.message
+    err = refuse(roots=[root], checkpoint=f"{root}/empty")
+    assert err.field == "checkpoint" and "config.json" in err.message
+
+
+def test_a_missing_local_checkpoint_is_said_not_to_exist(tmp_path):
+    root = tmp_path.resolve()
+    err = refuse(roots=[root], checkpoint=f"{root}/missing")
+    assert err.field == "checkpoint" and err.message.endswith("does not exist") and "config.json" not in err.message
 
 
 def test_root_itself_is_accepted(tmp_path):
