@@ -20,11 +20,12 @@ from typing import Callable
 
 from kiln.recipes import RECIPES
 from kiln.spec import BuildSpec
-from validation.gates import evaluate
+from validation.accuracy import GATE_METRIC
+from validation.gates import TASK_GATE, evaluate
 
 #: the gates whose failure climbs the ladder (speed and memory are the compiled engine's, judged by validation). A
 #: screen judges the window gates; the task gate (evaluation tasks) is judged on the chosen rung's engine.
-ACCURACY_GATES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "max_task_accuracy_drop_pts")
+ACCURACY_GATES = (*GATE_METRIC, TASK_GATE)
 KEPT_METRICS = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "tokens",
                 "intervals")
 

@@ -32,7 +32,7 @@ from kiln.models import Artifact
 from kiln.recipes import AUTO
 from kiln.settings import Settings
 from kiln.spec import BuildSpec, check_model
-from kiln.toolchain import toolchain_for
+from kiln.toolchain import lm_eval_version, toolchain_for
 from validation.gates import effective_gates
 from validation.runners import open_engine, open_reference
 from validation.reference import Reference, compute_reference, layout as reference_layout
@@ -104,15 +104,6 @@ def evaluation_tasks(spec: BuildSpec, roots) -> dict:
         path = task_path(name, roots=roots)
         out[check_task_file(path)["digest"]] = path
     return out
-
-
-def lm_eval_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lm_eval")
-    except PackageNotFoundError:
-        return None
 
 
 class Builder:

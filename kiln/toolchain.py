@@ -52,6 +52,11 @@ def tensorrt_llm_version() -> str | None:
     return _first_version(TENSORRT_LLM_DISTS)
 
 
+def lm_eval_version() -> str | None:
+    """lm-evaluation-harness, which scores evaluation tasks (its version binds a stored reference's task outcomes)."""
+    return _version("lm_eval")
+
+
 def cpu_capability() -> str:
     """The ISA level that ATen and AOTInductor generate code for on this host (``AVX512``, ``AVX2``, ``DEFAULT``, …;
     ``ATEN_CPU_CAPABILITY`` lowers it). An engine compiled for AVX512 does not load on an AVX2 CPU."""

@@ -20,6 +20,7 @@ import os
 from typing import Callable
 
 from kiln.precisions import PRECISIONS
+from validation.accuracy import GATE_METRIC  # the accuracy gates decided on a window interval
 from validation.stats import PASS, Interval, decide
 
 #: each precision's defaults, as its descriptor (kiln/precisions.py) states them
@@ -81,9 +82,6 @@ def _passes(name: str, value: float, threshold: float) -> bool:
     return bool(value <= threshold if name.startswith("max_") else value >= threshold)  # NaN: False either way
 
 
-#: the accuracy gates decided on a paired interval (validation/accuracy.py), and the metric each reads
-INTERVAL_METRIC = {"max_ppl_increase_pct": "ppl_increase_pct", "min_top1_agreement": "top1_agreement",
-                   "max_mean_kl": "mean_kl"}
 TASK_GATE = "max_task_accuracy_drop_pts"
 
 
@@ -121,7 +119,7 @@ def evaluate(metrics: dict, gates: dict[str, float]) -> list[dict]:
             continue
         value = values[name]
         value = math.inf if value is None else value
-        verdicts.append(_verdict(name, threshold, value, intervals.get(INTERVAL_METRIC.get(name, ""))))
+        verdicts.append(_verdict(name, threshold, value, intervals.get(GATE_METRIC.get(name, ""))))
     return verdicts
 
 
