@@ -13,6 +13,7 @@ import click
 import kiln
 
 from api.errors import exit_code
+from kiln.backends import DEFAULT_BACKEND
 from kiln.errors import KilnError, SpecError
 
 PROFILE_FIELDS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
@@ -230,7 +231,7 @@ def _print_recipe(recipe: dict) -> None:
 @click.option("--max-seq-len", type=int)
 @click.option("--max-num-tokens", type=int)
 @click.option("--target", default="cpu", show_default=True, help="cpu, sm89|sm90|sm100|sm120, or a GPU name (h100)")
-@click.option("--backend", default="aot-inductor", show_default=True, help="aot-inductor | checkpoint | trtllm-engine")
+@click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="aot-inductor | checkpoint | trtllm-engine")
 @click.option("--tp", default=1, show_default=True, type=int, help="tensor-parallel size")
 @click.option("--model-name", help="repository name of the engine (default: from the checkpoint)")
 @click.option("--calib-dataset", default="kiln:calibration", show_default=True)

@@ -10,11 +10,6 @@ import click
 from api.cli import _context, main
 
 
-def default_backend(target: str) -> str:
-    """The backend a build for ``target`` uses when none is named (as ``kiln build`` and engine tags assume)."""
-    return "aot-inductor" if target == "cpu" else "trtllm-engine"
-
-
 def _resolve_local(query: dict) -> dict:
     from kiln.errors import ArtifactUnknown
     from workers.resolution import resolve_engine
@@ -34,8 +29,8 @@ def _resolve_local(query: dict) -> dict:
 @click.option("--precision", required=True, help="fp8 | nvfp4")
 @click.option("--target", required=True, help="cpu, sm89|sm90|sm100|sm120, or a GPU name (h100)")
 @click.option("--profile", default="latency", show_default=True, help="the batch profile's name")
-@click.option("--backend", help="aot-inductor | checkpoint | trtllm-engine (default: aot-inductor for cpu, "
-                                "trtllm-engine for a GPU)")
+@click.option("--backend", help="aot-inductor | checkpoint | trtllm-engine (default: the one kiln build uses, "
+                                "aot-inductor)")
 @click.option("--runtime", help="the deployer's toolchain, e.g. tensorrt_llm=1.2.1,tensorrt=10.13.3: only an "
                                 "engine built with exactly these versions is returned")
 @click.option("--server", help="ask a remote Kiln (http://host:8000) instead of the local index")
@@ -44,6 +39,7 @@ def resolve(model: str, precision: str, target: str, profile: str, backend: str 
             server: str | None, as_json: bool) -> None:
     """Print the digest of the one fresh, validated engine of MODEL for this precision, target, profile, backend
     (and runtime). Exits 2 when none is servable (not built yet, only stale engines, none for the runtime)."""
+    from kiln.backends import default_backend
     from kiln.spec import normalize_target
 
     canonical, _ = normalize_target(target)  # an unknown target is refused by resolve itself, by field name

@@ -15,6 +15,7 @@ from artifacts.interfaces import BlobStore, Survey
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_engine_image, push_referrer
 from artifacts.signing import Signer, configured_signer
 from builder.attest import sign_engine
+from kiln.backends import default_backend
 from kiln.errors import ArtifactUnknown
 from kiln.models import Artifact, Referrer, TrackedModel
 from kiln.spec import BuildSpec
@@ -27,8 +28,7 @@ ANNOTATION_PREFIX = "dev.kiln"
 
 
 def tag_for(spec: BuildSpec) -> str:
-    default_backend = "aot-inductor" if spec.target == "cpu" else "trtllm-engine"
-    suffix = "" if spec.backend == default_backend else f"-{spec.backend}"
+    suffix = "" if spec.backend == default_backend(spec.target) else f"-{spec.backend}"
     return f"{spec.precision}-{spec.target}-{spec.batch_profile.name}{suffix}"
 
 

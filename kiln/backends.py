@@ -62,6 +62,18 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
 )}
 
 
+#: The backend a build uses when none is named, for every target: the one that builds and runs on every target here
+#: (trtllm-engine has never run, so it is chosen by name). ``kiln build``, the spec, engine tags and ``kiln resolve``
+#: all read it through ``default_backend`` — one answer, so a build and a resolve of the same target agree.
+DEFAULT_BACKEND = "aot-inductor"
+
+
+def default_backend(target: str) -> str:
+    """The backend a build for ``target`` uses when none is named."""
+    del target  # the same for every target today; the signature keeps the rule's home if that changes
+    return DEFAULT_BACKEND
+
+
 def get_backend_info(name: str) -> Backend:
     return BACKENDS[name]
 

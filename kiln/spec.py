@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kiln.backends import BACKENDS
+from kiln.backends import BACKENDS, DEFAULT_BACKEND
 from kiln.datasets import task_path
 from kiln.errors import SpecError
 from kiln.families import family_of
@@ -95,7 +95,7 @@ class BuildSpec(BaseModel):
     kv_cache: str = "none"
     profile: BatchProfile | str = "latency"
     target: str = "cpu"
-    backend: str = "aot-inductor"
+    backend: str = DEFAULT_BACKEND
     tp_size: int = 1
     calibration: Calibration = Field(default_factory=Calibration)
     evaluation: Evaluation = Field(default_factory=Evaluation)

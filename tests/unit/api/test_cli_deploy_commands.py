@@ -63,10 +63,10 @@ def test_resolve_prints_exactly_the_digest(home):
     assert body["reference"] == f"acme/tiny@{digest}" and body["tag"] == "fp8-sm90-balanced-checkpoint"
 
 
-def test_resolve_default_backend_for_a_gpu_is_the_engine_backend(home):
-    path, _ = home  # no trtllm-engine build exists: the default backend finds none, and says which it asked for
+def test_resolve_asks_for_the_backend_kiln_build_uses_when_none_is_named(home):
+    path, _ = home  # no sm90 aot-inductor build exists: the default backend finds none, and says which it asked for
     proc = kiln(path, "resolve", "acme/tiny", "--precision", "fp8", "--target", "h100", "--profile", "balanced")
-    assert proc.returncode == 2 and "trtllm-engine" in proc.stderr and proc.stdout == ""
+    assert proc.returncode == 2 and "aot-inductor" in proc.stderr and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1
 
 

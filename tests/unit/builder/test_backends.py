@@ -404,3 +404,21 @@ def test_arm_bf16_is_read_from_onednn(monkeypatch):
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda v=native: v)
         assert toolchain.host_cpu() == ("aarch64-DEFAULT+bf16" if native else "aarch64-DEFAULT")
     toolchain._toolchain_for.cache_clear()
+
+
+@pytest.mark.parametrize("target", ["cpu", "sm89", "sm90", "h100", "sm100", "sm120"])
+def test_build_tag_and_resolve_take_one_default_backend_for_every_target(target):
+    """The issue: ``kiln build --target sm90`` built aot-inductor while ``kiln resolve --target sm90`` asked for
+    trtllm-engine. The spec's default, the CLI's default, the tag's unsuffixed backend and resolve's default are one."""
+    import click
+
+    from api.cli import build
+    from builder.publish import tag_for
+    from kiln.backends import default_backend
+    from kiln.spec import normalize_target, parse_spec
+
+    canonical, _ = normalize_target(target)
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "precision": "fp8", "target": target}, [])
+    cli_default = next(p.default for p in build.params if isinstance(p, click.Option) and p.name == "backend")
+    assert spec.backend == cli_default == default_backend(canonical)
+    assert tag_for(spec) == f"fp8-{spec.target}-latency"

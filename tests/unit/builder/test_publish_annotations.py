@@ -76,8 +76,8 @@ def test_published_manifest_carries_standard_and_kiln_annotations(registry, tmp_
 
 @pytest.mark.parametrize("backend,target,tag", [
     ("aot-inductor", "cpu", "fp8-cpu-latency"), ("checkpoint", "cpu", "fp8-cpu-latency-checkpoint"),
-    ("trtllm-engine", "sm90", "fp8-sm90-latency"), ("checkpoint", "sm90", "fp8-sm90-latency-checkpoint"),
-    ("aot-inductor", "sm90", "fp8-sm90-latency-aot-inductor"),
+    ("trtllm-engine", "sm90", "fp8-sm90-latency-trtllm-engine"), ("checkpoint", "sm90", "fp8-sm90-latency-checkpoint"),
+    ("aot-inductor", "sm90", "fp8-sm90-latency"),
 ])
 def test_a_tag_names_precision_target_and_profile_and_the_backend_unless_it_is_the_targets_default(backend, target, tag):
     from builder.publish import tag_for
