@@ -26,12 +26,15 @@ from kiln.spec import BuildSpec
 #    precision's ladder; the cpu target's compute dtype follows the build CPU's native bf16 support.
 # 5: accuracy gates are decided on paired intervals, evaluated sequentially; evaluation tasks; TPOT only with a KV
 #    cache.
-RECIPE_VERSION = "kiln-recipe-5"
+# 6: the quantize key carried RECIPE_VERSION under a key the recipe's name overwrote (a dict literal with "recipe"
+#    twice), so no bump reached the quantize stage; the version is now its own field. The default backend is
+#    aot-inductor for every target, GPU targets included (kiln/backends.default_backend).
+RECIPE_VERSION = "kiln-recipe-6"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str) -> str:
     return sha256_json({
-        "stage": "quantize", "recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest,
+        "stage": "quantize", "kiln_recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest,
         "precision": spec.precision, "recipe": spec.recipe_name, "unquantized_layers": list(spec.unquantized_layers),
         "kv_cache": spec.kv_cache,
         "calibration": spec.calibration.model_dump(exclude={"dataset"}), "calibration_data": calibration_data,

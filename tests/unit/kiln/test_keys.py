@@ -198,3 +198,27 @@ def test_request_key_ignores_the_toolchain_but_not_the_build_inputs(make):
     assert request_key(CKPT_A, spec, GATES, {**DATA, "evaluation": CAL_DATA}) != base
     # two toolchains: two BuildKeys, one request
     assert keys(spec)[2] != keys(spec, toolchain={**TOOLCHAIN, "torch": "9"})[2]
+
+
+def test_every_key_changes_when_the_recipe_version_is_bumped(make, monkeypatch):
+    """A bump of RECIPE_VERSION must reach every stage. The quantize key once wrote its recipe's name under the same
+    dict key as the version, so the version was overwritten and a bump left every calibration reused."""
+    import kiln.keys
+
+    spec = make()
+    before = (*keys(spec), request_key(CKPT_A, spec, GATES, DATA))
+    monkeypatch.setattr(kiln.keys, "RECIPE_VERSION", "kiln-recipe-test-bump")
+    after = (*keys(spec), request_key(CKPT_A, spec, GATES, DATA))
+    assert [b != a for b, a in zip(before, after)] == [True] * 4, "a RECIPE_VERSION bump left a key unchanged"
+
+
+def test_the_quantize_key_separates_recipe_names(make):
+    names = [n for n in _recipes() if n.startswith("fp8")]
+    assert len(names) >= 2
+    assert len({keys(make(recipe=n))[0] for n in names}) == len(names)
+
+
+def _recipes() -> list[str]:
+    from kiln.recipes import RECIPES
+
+    return list(RECIPES)
