@@ -80,7 +80,7 @@ def json_body_problem(body: bytes) -> dict | None:
     """Why a JSON body must be refused (non-finite number, too deep), or None (also for what is no JSON:
     the route says so itself)."""
     stripped = body.lstrip().removeprefix(codecs.BOM_UTF8).lstrip()  # json.loads reads bytes behind a BOM too
-    if not stripped[:1] in (b"{", b"["):
+    if stripped[:1] not in (b"{", b"["):
         return None
     if not _depth_ok(stripped):
         return {"code": "invalid_request", "field": "body", "message": f"JSON nested deeper than {MAX_JSON_DEPTH} levels",

@@ -226,11 +226,11 @@ def main() -> None:
         noop1 = median_wrk(base + "/v1/builds", n, r, script=str(lua), connections=1)
         matrix1 = median_wrk(base + "/v1/builds", n, r, script=str(matrix_lua), connections=1)
         print(f"api workers {args.api_workers}; medians of {r} wrk runs of {n}s; 2 cores shared by server and load")
-        print(f"under load (wrk -t2 -c16):")
+        print("under load (wrk -t2 -c16):")
         print(f"  bare GET /healthz:        {bare['rps']:8.0f} req/s  p99 {bare['p99']:6.1f} ms")
         print(f"  resolve ({args.artifacts:,} artifacts): {res['rps']:8.0f} req/s  p99 {res['p99']:6.1f} ms  -> {res['rps'] / bare['rps']:.2f} x bare")
         print(f"  identical rebuild (POST): {noop['rps']:8.0f} req/s  p99 {noop['p99']:6.1f} ms  -> {noop['rps'] / bare['rps']:.2f} x bare")
-        print(f"one request at a time (wrk -t1 -c1, keep-alive):")
+        print("one request at a time (wrk -t1 -c1, keep-alive):")
         print(f"  bare GET /healthz:        median {bare1['p50'] * 1e3:6.0f} us")
         print(f"  resolve hit:              median {res1['p50'] * 1e3:6.0f} us")
         print(f"  identical rebuild (POST): median {noop1['p50'] * 1e3:6.0f} us  -> "

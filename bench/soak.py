@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.stack import Stack, free_port, postgres_database  # noqa: E402
+from scripts.devstack import Stack, free_port, postgres_database  # noqa: E402
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 KILL_STAGES = ("quantize", "compile", "validate", "publish")

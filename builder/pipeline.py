@@ -271,7 +271,7 @@ class Builder:
                 built_dir, _ = self.stage_cache.get("compile", key, lambda out: backend.compile(
                     built, best.quantized, out, checkpoint_dir=p.resolved.local_dir))
                 report = check(built, built_dir)
-        del reference
+        reference = None  # frees its hidden states before publish (check() closes over the name)
         report["recipe"] = {"requested": spec.recipe_name, "built": built.recipe_name,
                             **({"ladder": [r.record() for r in tried]} if tried else {})}
         report["conditions"]["accuracy"]["reference_cache"] = reference_record

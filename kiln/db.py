@@ -97,12 +97,16 @@ def session_factory(url: str) -> sessionmaker[Session]:
 
 
 def alembic_config(url: str):
+    from importlib.util import find_spec
+
     from alembic.config import Config
 
-    import migrations
-
+    # found by name, not imported: the migrations import the schema, never the other way (pyproject's contracts)
+    found = find_spec("migrations")
+    if found is None or not found.submodule_search_locations:
+        raise RuntimeError("the migrations package is not installed beside kiln")
     cfg = Config()
-    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    cfg.set_main_option("script_location", str(Path(list(found.submodule_search_locations)[0])))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 

@@ -266,9 +266,9 @@ TAG_DIGEST = select(Tag.__table__.c.digest).where(Tag.__table__.c.repository == 
 def signed_keys(rows) -> frozenset[str]:
     """Keys that signed both the engine files and the provenance, from (artifact_type, annotations) rows."""
     by_type: dict[str, set[str]] = {t: set() for t in SIGNED_TYPES}
-    for artifact_type, annotations in rows:
-        if artifact_type in by_type and isinstance(annotations, dict) and annotations.get(SIGNATURE_KEY_ANNOTATION):
-            by_type[artifact_type].add(annotations[SIGNATURE_KEY_ANNOTATION])
+    for artifact_type, notes in rows:
+        if artifact_type in by_type and isinstance(notes, dict) and notes.get(SIGNATURE_KEY_ANNOTATION):
+            by_type[artifact_type].add(notes[SIGNATURE_KEY_ANNOTATION])
     return frozenset(set.intersection(*by_type.values()))
 
 

@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from tests.integration.stack import Stack, tiny_spec
+from scripts.devstack import Stack, tiny_spec
 
 
 def submit_follow_and_query(stack: Stack, spec: dict) -> dict:

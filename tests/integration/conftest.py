@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.integration.stack import RedisServer
+from scripts.devstack import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
-from tests.integration.stack import served as embedded
+from scripts.devstack import served as embedded
 
 pytestmark = pytest.mark.slow
 

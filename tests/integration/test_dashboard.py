@@ -16,7 +16,7 @@ import subprocess
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.stack import Stack, tiny_spec
+from scripts.devstack import Stack, tiny_spec
 
 pytestmark = pytest.mark.slow
 

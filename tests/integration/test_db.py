@@ -13,7 +13,7 @@ from alembic.migration import MigrationContext
 
 from kiln import db
 from kiln.models import Base
-from tests.integration.stack import PG, postgres_database
+from scripts.devstack import PG, postgres_database
 
 
 @pytest.fixture

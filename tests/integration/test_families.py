@@ -146,7 +146,7 @@ def test_a_non_llama_family_through_the_service_on_both_backends(tmp_path_factor
     import shutil
 
     from tests.integration import api_checks
-    from tests.integration.stack import served
+    from scripts.devstack import served
 
     root = tmp_path_factory.mktemp("families-serve")
     ckpt = root / "qwen3"

@@ -12,7 +12,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from tests.integration.stack import PG, Stack, postgres_database, redis_url, tiny_spec
+from scripts.devstack import PG, Stack, postgres_database, redis_url, tiny_spec
 
 pytestmark = pytest.mark.slow
 

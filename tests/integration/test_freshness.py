@@ -9,8 +9,8 @@ import time
 import pytest
 
 from tests import hubcache
-from tests.integration.stack import Stack
-from tests.integration.stack import served as embedded
+from scripts.devstack import Stack
+from scripts.devstack import served as embedded
 
 pytestmark = pytest.mark.slow
 SECRET = "s3cret-for-tests"

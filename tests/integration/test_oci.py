@@ -19,7 +19,7 @@ import pytest
 from artifacts import paths
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST
 from artifacts.tarball import unpack_tar
-from tests.integration.stack import Stack
+from scripts.devstack import Stack
 
 pytestmark = pytest.mark.slow
 

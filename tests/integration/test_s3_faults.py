@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import boto3
 import pytest

@@ -12,8 +12,8 @@ import pytest
 import sqlalchemy as sa
 
 from tests.hubcache import add_snapshot, commit_sha, set_ref
-from tests.integration.stack import Stack, tiny_spec
-from tests.integration.stack import served as embedded
+from scripts.devstack import Stack, tiny_spec
+from scripts.devstack import served as embedded
 
 pytestmark = pytest.mark.slow
 BOOT = "kiln-bootstrap-for-tests-0123456789"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.integration import api_checks
-from tests.integration.stack import Stack, tiny_spec
-from tests.integration.stack import served as embedded
+from scripts.devstack import tiny_spec
+from scripts.devstack import served as embedded
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.integration import api_checks
-from tests.integration.stack import Stack, postgres_database, redis_url, tiny_spec
+from scripts.devstack import Stack, postgres_database, redis_url, tiny_spec
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ def client(request, tmp_path):
         db.upgrade(settings.db_url)
         yield _fill(settings)
         return
-    from tests.integration.stack import postgres_database
+    from scripts.devstack import postgres_database
 
     with postgres_database() as url:
         settings = Settings(home=tmp_path / "home", database_url=url)

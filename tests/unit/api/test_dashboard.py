@@ -7,7 +7,6 @@ import json
 import random
 import uuid
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner

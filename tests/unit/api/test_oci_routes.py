@@ -228,7 +228,7 @@ def test_a_manifest_of_another_repository_is_unknown_here(reg, engine):
     (f"/v2/{REPO}/referrers/notadigest", "DIGEST_INVALID"),
     (f"/v2/Acme/Tiny/manifests/{TAG}", "NAME_INVALID"),
     (f"/v2/acme//tiny/manifests/{TAG}", "NAME_INVALID"),
-    (f"/v2/acme/-tiny/tags/list", "NAME_INVALID"),
+    ("/v2/acme/-tiny/tags/list", "NAME_INVALID"),
     (f"/v2/{'a' * 256}/tags/list", "NAME_INVALID"),
     (f"/v2/{REPO}/tags/list?n=-1", "UNSUPPORTED"),
     (f"/v2/{REPO}/tags/list?n=x", "UNSUPPORTED"),

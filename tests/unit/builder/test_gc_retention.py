@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
@@ -14,10 +13,10 @@ from artifacts.oci import read_manifest
 from builder.gc import plan_gc, run_gc
 from builder.publish import publish
 from kiln import db
-from kiln.models import Artifact, Build, Referrer
+from kiln.models import Artifact, Referrer
 from kiln.settings import Settings
 from kiln.spec import parse_spec
-from kiln.states import create_build, move_artifact
+from kiln.states import move_artifact
 
 N = iter(range(10**6))
 

@@ -1,6 +1,7 @@
-"""Real processes for integration tests: a PostgreSQL database of their own, a database of the suite's own
-``redis-server`` (started on a free port by tests/integration/conftest.py; never the shared Redis),
-``kiln api`` (uvicorn) and ``kiln worker`` (Celery) subprocesses, and HTTP helpers."""
+"""A real Kiln stack as processes, for the integration tests and the soak bench: a PostgreSQL database of its own,
+a database of a ``redis-server`` of its own (started on a free port by tests/integration/conftest.py, or by
+bench/soak.py; never the shared Redis), ``kiln api`` (uvicorn) and ``kiln worker`` (Celery) subprocesses, and HTTP
+helpers. It lives outside tests/ so that bench/ need not import the tests (pyproject's import contracts)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import REPO
+REPO = Path(__file__).resolve().parent.parent
 
 PG = os.environ.get("KILN_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432")
 

@@ -1,0 +1,88 @@
+"""The layers and the lint rules, as the tools check them: import-linter's contracts in pyproject.toml
+(``api → workers → builder → artifacts | validation → kiln``; nothing imports the migrations; nothing shipped
+imports the tests), and ruff. Each contract is shown to break on a planted violation, in a copy of the tree, so a
+contract that checks nothing fails here."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+BIN = Path(sys.executable).parent
+PACKAGES = ("api", "workers", "builder", "artifacts", "validation", "kiln", "migrations", "scripts", "bench", "tests")
+
+
+def _tool(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.skip(f"{name} is not installed: pip install -c constraints.txt -e '.[test]'")
+    return str(path)
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    # lint-imports puts its working directory first on sys.path, so the tree under ``root`` is the one analysed
+    return subprocess.run([_tool("lint-imports"), "--config", str(root / "pyproject.toml"), "--no-cache"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_import_contracts_hold():
+    proc = lint_imports(REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3 kept, 0 broken" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """A copy of the packages' Python files and pyproject.toml, to plant violations in."""
+    root = tmp_path_factory.mktemp("tree")
+    shutil.copy(REPO / "pyproject.toml", root)
+    for package in PACKAGES:
+        for src in (REPO / package).rglob("*.py"):
+            if ".venv" in src.parts:
+                continue
+            dest = root / src.relative_to(REPO)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dest)
+    return root
+
+
+@pytest.mark.parametrize("where,code,broken", [
+    # an import inside a function counts: kiln (the bottom layer) reaching up into the CLI
+    ("kiln/_planted.py", "def f():\n    import api.cli\n    return api.cli\n", "layers"),
+    # artifacts and validation are siblings: neither imports the other
+    ("validation/_planted.py", "from artifacts import oci\n", "layers"),
+    ("kiln/_planted.py", "import migrations.env\n", "nothing imports the migrations"),
+    ("bench/_planted.py", "from tests.conftest import REPO\n", "do not import the tests"),
+])
+def test_a_planted_violation_breaks_its_contract(tree, where, code, broken):
+    planted = tree / where
+    planted.write_text(code)
+    try:
+        proc = lint_imports(tree)
+    finally:
+        planted.unlink()
+    assert proc.returncode != 0, proc.stdout
+    assert "1 broken" in proc.stdout
+    line = next(line for line in proc.stdout.splitlines() if line.endswith("BROKEN"))
+    assert broken in line, proc.stdout
+
+
+def test_ruff_finds_nothing():
+    proc = subprocess.run([_tool("ruff"), "check", "--no-cache", "."], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_finds_a_planted_unused_import(tmp_path):
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    (tmp_path / "kiln").mkdir()
+    (tmp_path / "kiln" / "planted.py").write_text("import os\n")
+    proc = subprocess.run([_tool("ruff"), "check", "--no-cache", "."], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "F401" in proc.stdout
