@@ -250,14 +250,16 @@ def _print_recipe(recipe: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
 @click.option("--server", help="submit to a remote Kiln (http://host:8000) instead of building here")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="with --server: follow the build to its end")
+@click.option("--timeout", type=click.FloatRange(min=1), metavar="SECONDS",
+              help="with --server --wait: give up waiting after this long (exit 4; the build goes on)")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
               help="also write the validation report as JUnit XML to this file (CI test results)")
 @click.option("--report-html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
               help="also write the validation report as HTML to this file")
-def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, junit_path: Path | None,
-          html_path: Path | None, **options) -> None:
+def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, timeout: float | None,
+          junit_path: Path | None, html_path: Path | None, **options) -> None:
     """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://)."""
-    reports: dict = {"junit": junit_path, "html": html_path}
+    reports: dict = {"junit": junit_path, "html": html_path, "timeout": timeout}
     try:
         _build(checkpoint, dry_run, as_json, server, wait, reports, options)
     except KilnError as exc:
@@ -277,6 +279,9 @@ def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wa
     from kiln.spec import parse_spec
 
     junit_path, html_path = reports["junit"], reports["html"]
+    if reports["timeout"] is not None and not (server and wait):
+        raise SpecError("--timeout limits a wait on a remote build", field="timeout",
+                        fix="use it with --server (and without --no-wait), or drop it")
     if server:
         from api.cli_report import write_build_reports
         from api.remote import exit_for, fetch_report_document, remote_build
@@ -285,7 +290,7 @@ def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wa
             raise SpecError("--junit and --report-html need the build's verdict", field="wait",
                             fix="drop --no-wait, or fetch the report later with kiln report")
         out = remote_build(server, spec_from_options(checkpoint, options), wait=wait, as_json=as_json,
-                           progress=Progress(quiet=False), summary=_print_summary)
+                           progress=Progress(quiet=False), summary=_print_summary, timeout=reports["timeout"])
         if wait:
             write_build_reports(reports, out, lambda digest: fetch_report_document(server, digest))
             reports["written"] = True

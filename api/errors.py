@@ -1,5 +1,5 @@
 """The one table that maps domain errors to HTTP statuses and CLI exit codes (0 success, 1 validation failed,
-2 bad input, 3 environment or internal error)."""
+2 bad input, 3 environment or internal error, 4 a wait timed out — the build goes on)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ TABLE: dict[type[e.KilnError], tuple[int, int]] = {
     e.ValidationFailed: (422, 1),
     e.SignatureInvalid: (422, 1),
     e.BuildCancelled: (409, 3),
+    e.WaitTimedOut: (504, 4),
     e.InvalidTransition: (409, 2),
     e.DigestMismatch: (502, 3),
     e.ToolchainMissing: (503, 3),

@@ -4,9 +4,12 @@ build (stage lines while it runs, the verdict and digest at the end, one JSON ob
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import click
 import httpx
+from httpx_sse import SSEError, connect_sse
 
 from api.errors import TABLE
 from kiln import errors as e
@@ -24,24 +27,116 @@ def _fail(resp: httpx.Response) -> e.KilnError:
     return cls(err.get("message", f"HTTP {resp.status_code}"), field=err.get("field"), fix=err.get("fix"))
 
 
-def _follow(client: httpx.Client, build_id: str, progress) -> None:
-    """Print stage events until the server says the build ended."""
-    with client.stream("GET", f"/v1/builds/{build_id}/events", timeout=httpx.Timeout(10, read=None)) as resp:
-        if resp.status_code != 200:
-            raise _fail(resp)
-        kind = None
-        for line in resp.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                if kind == "stage":
-                    progress("stage", data)
-                elif kind == "end":
-                    return
+#: the stream is read with this timeout: the server sends a keep-alive comment every 5 s, so a read that waits
+#: longer means the connection is dead (a proxy that dropped it without closing)
+READ_TIMEOUT_S = 30.0
+#: reconnect after 0.5 s, doubling up to 8 s; after this many failed tries in a row, poll the build instead
+FIRST_BACKOFF_S, MAX_BACKOFF_S, RECONNECT_TRIES = 0.5, 8.0, 6
+#: how often the polling fallback reads the build
+POLL_S = 3.0
 
 
-def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress, summary) -> dict:
+def _follow(client: httpx.Client, build_id: str, progress, say=lambda line: click.echo(line, err=True)) -> None:
+    """Print stage events until the server says the build ended, through a network that cuts streams: a stream
+    that ends or fails is reopened with ``Last-Event-ID`` (no event twice, none lost) after a backoff; when it
+    cannot be reopened ``RECONNECT_TRIES`` times in a row, the build is polled until it ends."""
+    last, failures, delay = None, 0, FIRST_BACKOFF_S
+    while True:
+        try:
+            headers = {"Last-Event-ID": last} if last else {}
+            with connect_sse(client, "GET", f"/v1/builds/{build_id}/events", headers=headers,
+                             timeout=httpx.Timeout(10, read=READ_TIMEOUT_S)) as source:
+                status = source.response.status_code
+                if 400 <= status < 500:  # the server's answer (unknown build, no access): not the network's
+                    source.response.read()
+                    raise _fail(source.response)
+                if status == 200:
+                    failures, delay = 0, FIRST_BACKOFF_S
+                    for event in source.iter_sse():
+                        last = event.id or last
+                        if event.event == "stage":
+                            progress("stage", event.json())
+                        elif event.event == "end":
+                            return
+            why = "the event stream ended before the build" if status == 200 else f"the event stream got HTTP {status}"
+        except (httpx.TransportError, SSEError) as exc:  # cut, refused, timed out, or a proxy's error page
+            why = f"the event stream failed ({type(exc).__name__})"
+        failures += 1
+        if failures > RECONNECT_TRIES:
+            say(f"  {why} {failures - 1} times in a row; polling the build every {POLL_S:g}s instead")
+            return _poll(client, build_id, say)
+        if failures == 1 or failures == RECONNECT_TRIES:
+            say(f"  {why}; reconnecting")
+        time.sleep(delay)
+        delay = min(delay * 2, MAX_BACKOFF_S)
+
+
+def _poll(client: httpx.Client, build_id: str, say) -> None:
+    """Read the build until it ends (the fallback when no event stream can be had); says its stage as it changes."""
+    seen = None
+    while True:
+        try:
+            r = client.get(f"/v1/builds/{build_id}")
+        except httpx.TransportError:
+            time.sleep(POLL_S)
+            continue
+        if r.status_code != 200:
+            raise _fail(r)
+        body = r.json()
+        if body["status"] in TERMINAL:
+            return
+        now = (body["status"], body.get("stage"), body.get("reason"))
+        if now != seen:
+            seen = now
+            say(f"  {body['status']}" + (f" {body['stage']}" if body.get("stage") else "")
+                + (f": {body['reason']}" if body.get("reason") else ""))
+        time.sleep(POLL_S)
+
+
+def _wait(client: httpx.Client, build: dict, server: str, progress, timeout: float | None) -> None:
+    """Follow the build until it ends or ``timeout`` seconds pass (then ``WaitTimedOut``: exit 4; the build goes on).
+    The follow runs in a thread so the deadline holds even while a stream is quiet but alive."""
+    build_id = build["id"]
+    if build["status"] == "queued":
+        r = client.get(f"/v1/builds/{build_id}")
+        reason = r.json().get("reason") if r.status_code == 200 else None
+        if reason:
+            click.echo(f"  queued: {reason}", err=True)
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _follow(client, build_id, progress)
+        except BaseException as exc:  # handed to the waiting thread, raised there
+            outcome.append(exc)
+
+    follower = threading.Thread(target=run, name=f"kiln-follow-{build_id}", daemon=True)
+    t0 = time.monotonic()
+    follower.start()
+    while follower.is_alive():
+        left = None if timeout is None else timeout - (time.monotonic() - t0)
+        if left is not None and left <= 0:
+            state = _state(client, build_id)
+            raise e.WaitTimedOut(f"build {build_id} had not finished after {timeout:g}s ({state}); it goes on "
+                                 f"on {server}", field="timeout",
+                                 fix=f"wait longer (--timeout), follow it with GET /v1/builds/{build_id}, or cancel it "
+                                     f"with POST /v1/builds/{build_id}/cancel")
+        follower.join(0.5 if left is None else min(0.5, left))
+    if outcome:
+        raise outcome[0]
+
+
+def _state(client: httpx.Client, build_id: str) -> str:
+    """The build's status (and why it waits, when queued), for a timeout message; never raises."""
+    try:
+        body = client.get(f"/v1/builds/{build_id}", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return "state unknown: the server did not answer"
+    return body.get("status", "?") + (f": {body['reason']}" if body.get("reason") else "")
+
+
+def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress, summary,
+                 timeout: float | None = None) -> dict:
     import os
 
     headers = {"Authorization": f"Bearer {os.environ['KILN_TOKEN']}"} if os.environ.get("KILN_TOKEN") else {}
@@ -58,7 +153,7 @@ def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress
         else:
             click.echo(f"build {build['id']} {build['status']} on {server}", err=True)
             if build["status"] not in TERMINAL:
-                _follow(client, build["id"], progress)
+                _wait(client, build, server, progress, timeout)
             final = client.get(f"/v1/builds/{build['id']}")
             if final.status_code != 200:
                 raise _fail(final)

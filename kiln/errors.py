@@ -108,6 +108,12 @@ class InvalidTransition(KilnError):
     code = "invalid_transition"
 
 
+class WaitTimedOut(KilnError):
+    """``--timeout`` passed while a build had not finished; the build itself goes on (cancel it to stop it)."""
+
+    code = "wait_timed_out"
+
+
 class BuildCancelled(KilnError):
     """The build was cancelled; nothing was published."""
 

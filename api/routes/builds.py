@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Body, Query, Request
-from fastapi.responses import StreamingResponse
 from sqlalchemy import func, select
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.bodies import SafeJSONResponse as JSONResponse  # a bad stored float is null, not a 500
 from api.deps import SessionDep, SessionsDep, SettingsDep
@@ -116,12 +116,19 @@ def cancel_build(build_id: str, session: SessionDep):
 
 #: a reader re-reads at least this often even if no notification came (kiln/bell.py)
 EVENTS_WAKE_AT_LEAST_S = 2.0
+#: a comment line this often while nothing happens, so a proxy with an idle timeout (ingress-nginx and AWS ALB: 60 s)
+#: never sees an idle stream
+EVENTS_KEEPALIVE_S = 5.0
+#: how long a client waits before reconnecting (the SSE ``retry:`` field, sent with the first event)
+EVENTS_RETRY_MS = 1000
 
 
 @router.get("/{build_id}/events")
 async def build_events(build_id: str, request: Request, sessions: SessionsDep):
-    """Server-sent events: stage changes and status changes, until the build finishes. The stream is pushed:
-    the reader wakes when the build's events are committed (kiln/bell.py), not on a timer."""
+    """Server-sent events: stage changes and status changes, until the build finishes, then an ``end`` event. The
+    stream is pushed: the reader wakes when the build's events are committed (kiln/bell.py), not on a timer. Each
+    event carries its id; a client that reconnects with ``Last-Event-ID`` gets only what it has not seen. A keep-alive
+    comment goes out every few seconds."""
     with sessions() as s:
         _get(s, build_id)
     try:
@@ -133,6 +140,7 @@ async def build_events(build_id: str, request: Request, sessions: SessionsDep):
 
     async def stream():
         nonlocal last
+        yield ServerSentEvent(comment="kiln build events", retry=EVENTS_RETRY_MS)
         while True:
             ticket = bell.ticket(build_id)  # before the read: a commit after it wakes the wait below
             with sessions() as s:
@@ -141,13 +149,12 @@ async def build_events(build_id: str, request: Request, sessions: SessionsDep):
                 status = s.get(Build, build_id).status
             for e in events:
                 last = e.id
-                yield f"id: {e.id}\nevent: {e.kind}\ndata: {json.dumps(e.data, sort_keys=True)}\n\n"
+                yield ServerSentEvent(json.dumps(e.data, sort_keys=True), id=str(e.id), event=e.kind)
             if status in TERMINAL and not events:
-                yield f"event: end\ndata: {json.dumps({'status': status})}\n\n"
-                return
-            if await request.is_disconnected():
+                yield ServerSentEvent(json.dumps({"status": status}), id=str(last), event="end")
                 return
             await bell.wait(ticket, timeout=EVENTS_WAKE_AT_LEAST_S)
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
+    # EventSourceResponse ends the generator when the client goes away, and sends the keep-alive comments
+    return EventSourceResponse(stream(), ping=EVENTS_KEEPALIVE_S, sep="\n",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
