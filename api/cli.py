@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -13,6 +12,7 @@ import click
 import kiln
 
 from api.errors import exit_code
+from api.progress import Progress
 from kiln.backends import DEFAULT_BACKEND
 from kiln.errors import KilnError, SpecError
 
@@ -122,30 +122,6 @@ def spec_from_options(checkpoint: str, o: dict) -> dict:
     if o.get("override_reason"):
         spec["override_reason"] = o["override_reason"]
     return spec
-
-
-class Progress:
-    """Stage lines for people: one line per finished stage (plain when not a terminal, live when it is)."""
-
-    def __init__(self, quiet: bool):
-        self.quiet = quiet
-        self.tty = sys.stderr.isatty()
-        self.started: dict[str, float] = {}
-
-    def __call__(self, kind: str, data: dict) -> None:
-        if self.quiet or kind != "stage":
-            return
-        name = data["name"]
-        if data["state"] == "started":
-            self.started[name] = time.perf_counter()
-            if self.tty:
-                click.echo(f"  {name:<9} … running", err=True, nl=False)
-                click.echo("\r", err=True, nl=False)
-            return
-        status = data["status"]
-        mark = {"ran": "ran   ", "cached": "cached", "skipped": "skip  "}.get(status, status)
-        line = f"  {name:<9} {mark} {data['seconds']:7.2f}s"
-        click.echo(line + (" " * 10 if self.tty else ""), err=True)
 
 
 def _print_summary(out: dict) -> None:

@@ -54,8 +54,8 @@ def _follow(client: httpx.Client, build_id: str, progress, say=lambda line: clic
                     failures, delay = 0, FIRST_BACKOFF_S
                     for event in source.iter_sse():
                         last = event.id or last
-                        if event.event == "stage":
-                            progress("stage", event.json())
+                        if event.event in ("stage", "progress"):
+                            progress(event.event, event.json())
                         elif event.event == "end":
                             return
             why = "the event stream ended before the build" if status == 200 else f"the event stream got HTTP {status}"

@@ -9,6 +9,7 @@ from kiln.spec import BuildSpec
 def build_read(b: Build, *, reason: str | None = None, cache_hit: bool = False) -> dict:
     return {
         "id": b.id, "status": b.status, "stage": b.stage, "stages": b.stages or [], "build_key": b.build_key,
+        "progress": b.progress if b.status == "running" else None,
         "request_key": b.request_key, "digest": b.digest, "queue": b.queue, "worker": b.worker,
         "error": b.error, "reason": reason if reason is not None else b.reason, "cancel_requested": b.cancel_requested,
         "attempts": b.attempts, "spec": b.spec, "cache_hit": cache_hit,
@@ -19,7 +20,7 @@ def build_read(b: Build, *, reason: str | None = None, cache_hit: bool = False) 
 def artifact_answer(a: Artifact, producer: Build | None) -> dict:
     """A request answered by an already-built artifact."""
     body = build_read(producer, cache_hit=True) if producer else {
-        "id": None, "stage": None, "stages": [], "queue": None, "worker": None, "error": None, "reason": None,
+        "id": None, "stage": None, "stages": [], "progress": None, "queue": None, "worker": None, "error": None, "reason": None,
         "cancel_requested": False, "attempts": 0, "spec": None, "request_key": a.request_key,
         "created_at": _iso(a.created_at), "started_at": None, "finished_at": None, "cache_hit": True}
     body.update({"status": "succeeded" if a.status != "rejected" else "failed", "build_key": a.build_key,

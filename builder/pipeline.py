@@ -29,6 +29,7 @@ from kiln.datasets import load_text, task_path
 from kiln.errors import BuildCancelled, KilnError
 from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, reference_key, request_key
 from kiln.models import Artifact
+from kiln.progress import reporting
 from kiln.recipes import AUTO
 from kiln.settings import Settings
 from kiln.spec import BuildSpec, check_model
@@ -297,12 +298,28 @@ class Builder:
     def _stage(self, name: str, fn: Callable[[], tuple], stages: list[StageRecord]):
         self.on_event("stage", {"name": name, "state": "started"})
         t = time.perf_counter()
-        value, record = fn()
+        with reporting(self._progress_sink(name, t)):
+            value, record = fn()
         status = "cached" if name in ("quantize", "compile") and record is None else "ran"
         rec = StageRecord(name, status, time.perf_counter() - t, record or {})
         stages.append(rec)
         self._finished(rec)
         return value, rec
+
+    #: at most one progress event a second per stage (a new step always goes out at once)
+    PROGRESS_EVERY_S = 1.0
+
+    def _progress_sink(self, stage: str, t0: float):
+        """Turns :func:`kiln.progress.report` calls inside a stage into ``progress`` events."""
+        last = {"step": None, "at": -1e9}
+
+        def sink(what: str, i: int | None, n: int | None) -> None:
+            now = time.perf_counter()
+            if what == last["step"] and now - last["at"] < self.PROGRESS_EVERY_S:
+                return
+            last.update(step=what, at=now)
+            self.on_event("progress", {"stage": stage, "step": what, "i": i, "n": n, "elapsed": round(now - t0, 1)})
+        return sink
 
     def _finished(self, rec: StageRecord) -> None:
         self.on_event("stage", {"name": rec.name, "state": "finished", "status": rec.status, "seconds": rec.seconds})

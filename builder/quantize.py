@@ -24,6 +24,7 @@ import torch
 
 from kiln.errors import SpecError, StageFailed
 from kiln.families import family_of
+from kiln.progress import report
 from kiln.recipes import AUTO, RECIPES
 from kiln.spec import BuildSpec
 
@@ -130,8 +131,10 @@ def quantize(checkpoint_dir: Path, spec: BuildSpec, calib_text: str, out_dir: Pa
     batches = calibration_batches(tokenizer, calib_text, spec.calibration.samples, spec.calibration.seq_len).to(device)
 
     def forward_loop(m):
+        steps = (len(batches) + 7) // 8
         with torch.no_grad():
             for i in range(0, len(batches), 8):
+                report("calibration batch", i // 8 + 1, steps)
                 m(batches[i : i + 8])
 
     t1 = time.perf_counter()

@@ -78,6 +78,8 @@ class Build(Base):
     status: Mapped[str] = mapped_column(String(16), index=True)
     stage: Mapped[str | None] = mapped_column(String(16), nullable=True)
     stages: Mapped[list] = mapped_column(JSON, default=list)
+    #: the running stage's latest progress event ({stage, step, i, n, elapsed}); None between stages
+    progress: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     digest: Mapped[str | None] = mapped_column(DIGEST, nullable=True, index=True)  # the producer of an engine
     error: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from kiln.progress import report
 from validation import stats
 from validation.runners import LogitsHead
 
@@ -71,7 +72,10 @@ def reference_windows(reference, token_ids: torch.Tensor, seq_len: int, batch: i
     """Run the reference runner (a :class:`~validation.runners.TransformersRunner`) over every window of
     ``token_ids``, keeping its final hidden states."""
     w = windows(token_ids, seq_len)
-    hidden = [reference.hidden_and_logits(w[i : i + batch, :-1])[0] for i in range(0, len(w), batch)]
+    hidden = []
+    for i in range(0, len(w), batch):
+        report("reference window", min(i + batch, len(w)), len(w))
+        hidden.append(reference.hidden_and_logits(w[i : i + batch, :-1])[0])
     return ReferenceWindows(seq_len, torch.cat(hidden).numpy(), reference.head())
 
 
@@ -117,6 +121,7 @@ def accuracy(engine, reference, token_ids: torch.Tensor, seq_len: int, batch: in
     for look in planned:
         while done < look:
             rows = order[done : min(done + batch, look)]
+            report("evaluation window", done + len(rows), len(w))
             chunk = w[rows]
             part = _window_sums(engine.logits(chunk[:, :-1]), reference_logits(rows), chunk[:, 1:])
             for k, v in part.items():

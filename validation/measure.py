@@ -33,6 +33,7 @@ from typing import Iterator
 
 import torch
 from kiln.errors import StageFailed
+from kiln.progress import report
 from kiln.spec import BatchProfile
 from validation.accuracy import accuracy, windows  # noqa: F401  (re-exported: callers import them from here)
 
@@ -88,8 +89,9 @@ def throughput(engine, profile: BatchProfile, vocab: int, *, warmup: int = 1, re
     median run, ``tokens_per_s_best`` from the fastest (interference from other processes only ever slows a
     run down, so the fastest is the most reproducible figure; the regression gate compares it)."""
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for b, s in envelope_points(profile):
+    out, points = [], envelope_points(profile)
+    for k, (b, s) in enumerate(points, 1):
+        report("throughput point", k, len(points))
         point_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
         out.append(throughput_point(engine, b, s, vocab, warmup=warmup, reps=reps, seed=point_seed))
     return out
@@ -127,8 +129,9 @@ def decode_latency(engine, profile: BatchProfile, vocab: int, *, new_tokens: int
     prompt_len, new = decode_shape(profile, new_tokens)
     cached = callable(getattr(engine, "decode", None))
     gen = torch.Generator().manual_seed(seed)
-    points = []
-    for b in sorted({1, profile.max_batch_size}):
+    points, batches = [], sorted({1, profile.max_batch_size})
+    for k, b in enumerate(batches, 1):
+        report("decode latency batch size", k, len(batches))
         prompt = torch.randint(0, vocab, (b, prompt_len), generator=gen)
         for _ in range(warmup):
             engine.decode(prompt, 2) if cached else engine.logits(prompt)
@@ -193,6 +196,7 @@ def peak_memory(engine, profile: BatchProfile, vocab: int, *, source: tuple[str,
     left over from earlier work). Without it the CPU figure is this whole process's peak RSS during the corner
     forward: an upper bound (the method says so)."""
     corner = _corner_conditions(profile)
+    report("peak memory at the profile's corner")
     if str(engine.device).startswith("cuda"):
         return _cuda_peak(engine, profile, vocab, seed, corner)
     if source is not None:

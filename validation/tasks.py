@@ -30,6 +30,7 @@ from lm_eval.api.model import TemplateLM
 from torch.nn import functional as F
 
 from kiln.errors import SpecError
+from kiln.progress import report
 
 FIELD = "evaluation.tasks"
 JSONL_KEYS = ("id", "context", "choices", "answer")
@@ -301,6 +302,7 @@ class RunnerLM(TemplateLM):
         out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         for start in range(0, len(inputs), self.max_batch):
             chunk = inputs[start : start + self.max_batch]
+            report("task sequence", start + len(chunk), len(inputs))
             for logprobs, inp in zip(self._forward([list(t) for t in chunk]), chunk):
                 for i in by_input[inp]:
                     cont = torch.tensor(rows[i][1])

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class EventRecorder:
+    """A build's events into its rows: each as a ``build_events`` row (the event stream), the stage and progress
+    on the build (GET /v1/builds/{id}, the dashboard). Progress events come at most once a second a stage."""
     def __init__(self, sessions: sessionmaker[Session], build_id: str):
         self.sessions, self.build_id = sessions, build_id
 
@@ -28,8 +30,10 @@ class EventRecorder:
         with self.sessions() as s:
             s.add(BuildEvent(build_id=self.build_id, kind=kind, data=data))
             row = s.get(Build, self.build_id)
+            if kind == "progress" and row is not None:
+                row.progress = data
             if kind == "stage" and row is not None:
-                row.stage = data["name"]
+                row.stage, row.progress = data["name"], None
                 if data["state"] == "finished":
                     row.stages = [st for st in (row.stages or []) if st["name"] != data["name"]] + [
                         {"name": data["name"], "status": data["status"], "seconds": round(data["seconds"], 3)}]

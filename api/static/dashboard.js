@@ -136,6 +136,10 @@ function stageStrip(b) {
 }
 
 function currentStage(b) {
+  if (b.status === "running" && b.progress && b.progress.stage === b.stage) {
+    const p = b.progress;  // the stage's latest step (kiln/progress.py), e.g. "validate: evaluation window 37/128"
+    return b.stage + ": " + p.step + (p.i != null && p.n ? " " + p.i + "/" + p.n : "");
+  }
   if (b.status === "running") return b.stage ? b.stage + "…" : "starting…";
   if (b.status === "queued") return "waiting";
   if (b.status === "failed" && b.stage) return "failed in " + b.stage;

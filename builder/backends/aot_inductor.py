@@ -18,6 +18,7 @@ import torch
 from builder.backends.base import Backend
 from kiln.errors import StageFailed
 from kiln.hfmodel import LogitsOnly, load_engine_model
+from kiln.progress import report
 from kiln.spec import BuildSpec
 
 ENGINE_FORMAT = "kiln-aot-inductor/1"
@@ -120,11 +121,13 @@ class AOTInductorBackend(Backend):
         example = torch.zeros((2 if spec.batch_profile.max_batch_size > 1 else 1, 8), dtype=torch.long, device=device)
         t1 = time.perf_counter()
         try:
+            report("torch.export")
             with torch.no_grad():
                 exported = torch.export.export(model, (example,), dynamic_shapes={"input_ids": {0: batch, 1: seq}},
                                                strict=False)
             t2 = time.perf_counter()
             out_dir.mkdir(parents=True)
+            report("AOTInductor compile (C++ code generation and g++)")
             with torch.no_grad():
                 torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / "model.pt2"))
         except Exception as exc:

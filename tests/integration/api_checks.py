@@ -30,6 +30,8 @@ def submit_follow_and_query(stack: Stack, spec: dict) -> dict:
     finished = [d["name"] for k, d in events if k == "stage" and d["state"] == "finished"]
     assert finished == ["resolve", "quantize", "compile", "validate", "publish"], events
     assert events[-1] == ("end", {"status": "succeeded"})
+    steps = {(d["stage"], d["step"]) for k, d in events if k == "progress"}  # what a stage was doing, as it ran
+    assert {("quantize", "calibration batch"), ("validate", "evaluation window")} <= steps, events
 
     done = stack.get(f"/v1/builds/{build['id']}").json()
     assert done["status"] == "succeeded" and done["digest"].startswith("sha256:")

@@ -34,11 +34,26 @@ def home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plain(ckpt, home) -> dict:
+def plain_run(ckpt, home) -> tuple[dict, str]:
     code, out, err = kiln_json("build", str(ckpt), "--precision", "fp8", "--eval-task", str(TASK), home=home,
                                checkpoint=ckpt)
     assert code == 0, err[-3000:]
-    return out
+    return out, err
+
+
+@pytest.fixture(scope="module")
+def plain(plain_run) -> dict:
+    return plain_run[0]
+
+
+def test_a_ci_log_shows_the_build_alive_inside_its_long_stages(plain_run):
+    """stderr is a pipe here, as in a CI log: no live line, a heartbeat every 10 s in a stage that runs longer."""
+    _, err = plain_run
+    beats = [line.split() for line in err.splitlines() if line.startswith("  ") and line.rstrip().endswith("s")
+             and "/" in line]
+    assert any(b[0] == "validate" for b in beats), err[-3000:]
+    assert all(b[-1][:-1].isdigit() and "/" in b[-2] for b in beats), beats  # "... evaluation window 37/128  41s"
+    assert "\x1b[" not in err and "\r" not in err  # no terminal control in a log
 
 
 @pytest.fixture(scope="module")

@@ -53,3 +53,22 @@ def test_sigterm_to_kiln_serve_stops_its_worker(tmp_path):
                      and Path(f"/proc/{c}/stat").read_text().split(")")[-1].split()[0] != "Z"]
             time.sleep(0.5)
         assert not alive, f"the worker {alive} outlived kiln serve:\n{s.log('serve')[-2000:]}"
+
+
+def test_a_running_build_shows_what_its_stage_is_doing_and_a_finished_one_does_not(served):
+    import time
+
+    spec = tiny_spec(calibration={"samples": 12, "seq_len": 64})  # not the build above: this one runs its stages
+    build = served.post("/v1/builds", spec).json()
+    seen, deadline = [], time.time() + 600
+    while time.time() < deadline:
+        b = served.get(f"/v1/builds/{build['id']}").json()
+        if b["status"] in ("succeeded", "failed", "cancelled"):
+            break
+        if b["progress"]:
+            seen.append((b["stage"], b["progress"]))
+        time.sleep(0.1)
+    assert b["status"] == "succeeded" and b["progress"] is None, b
+    assert seen and all(stage == p["stage"] for stage, p in seen), seen
+    assert {p["step"] for _, p in seen} & {"calibration batch", "evaluation window", "reference window",
+                                          "throughput point", "decode latency batch size"}, seen

@@ -1,0 +1,79 @@
+"""Build progress for people, on stderr: one line per finished stage, and inside a long stage what it is doing now
+(``validate  evaluation window 37/128  41s``). On a terminal the current step is a live line (rich) that updates
+in place; elsewhere (a CI log) a plain heartbeat line goes out at most every ``HEARTBEAT_S`` seconds while a stage
+runs, so a log shows a build alive without a line per window. Fed by the pipeline's events in a local build and by
+the event stream with ``--server``: the same lines either way."""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+
+import click
+
+from kiln.progress import describe
+
+#: a plain (non-terminal) progress line at most this often per stage
+HEARTBEAT_S = 10.0
+
+
+class Progress:
+    def __init__(self, quiet: bool, *, tty: bool | None = None, clock=time.monotonic):
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.clock = clock
+        self.stage: str | None = None
+        self.started_at = 0.0
+        self.said_at = 0.0
+        self.live = None
+
+    def __call__(self, kind: str, data: dict) -> None:
+        if self.quiet:
+            return
+        if kind == "stage":
+            self._stage(data)
+        elif kind == "progress":
+            self._progress(data)
+
+    def _stage(self, data: dict) -> None:
+        name = data["name"]
+        if data["state"] == "started":
+            self.stage, self.started_at, self.said_at = name, self.clock(), self.clock()
+            self._show(f"{name:<9} … running")
+            return
+        self._stop()
+        self.stage = None
+        mark = {"ran": "ran   ", "cached": "cached", "skipped": "skip  "}.get(data["status"], data["status"])
+        click.echo(f"  {name:<9} {mark} {data['seconds']:7.2f}s", err=True)
+
+    def _progress(self, data: dict) -> None:
+        if data.get("stage") != self.stage:
+            return
+        elapsed = self.clock() - self.started_at
+        line = f"{self.stage:<9} {describe(data)}  {elapsed:.0f}s"
+        if self.tty:
+            self._show(line)
+        elif self.clock() - self.said_at >= HEARTBEAT_S:
+            self.said_at = self.clock()
+            click.echo(f"  {line}", err=True)
+
+    def _show(self, line: str) -> None:
+        if not self.tty:
+            return
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        text = Text(f"  {line}")
+        if self.live is None:
+            self.live = Live(text, console=Console(stderr=True), transient=True, refresh_per_second=4)
+            self.live.start()
+            atexit.register(self._stop)  # a build that fails inside a stage leaves no live line (or hidden cursor)
+        else:
+            self.live.update(text)
+
+    def _stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
