@@ -1,7 +1,8 @@
 """Engine images as valid OCI images (image-spec v1.1), stored in a :class:`BlobStore`.
 
 An engine image is an ordinary OCI image manifest: one uncompressed tar layer holding the whole
-engine directory (so the layer digest is also its ``diff_id``), and an image config whose
+engine directory (so the layer digest is also its ``diff_id``; titled ``engine.tar``, so ``oras pull`` writes
+it as that file), and an image config whose
 ``Labels`` carry provenance. Reports and signatures attach as *referrers*: artifact manifests
 whose ``subject`` names the engine manifest. Standard OCI clients can therefore pull, inspect
 and discover them through the registry's ``/v2`` API.
@@ -36,6 +37,13 @@ MEDIA_TYPE_IMAGE_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_TYPE_IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
 MEDIA_TYPE_IMAGE_LAYER = "application/vnd.oci.image.layer.v1.tar"
 MEDIA_TYPE_EMPTY = "application/vnd.oci.empty.v1+json"
+
+ANNOTATION_TITLE = "org.opencontainers.image.title"
+ENGINE_LAYER_TITLE = "engine.tar"
+"""The engine layer's ``org.opencontainers.image.title``: the file name ``oras pull`` writes the layer to (it
+skips a layer without one). The layer is an uncompressed tar of the engine's files with no folder above them, so
+it is named as the file it is, and carries no ``io.deis.oras.content.unpack``: oras unpacks only gzip layers
+whose entries sit under the title as a folder, and would fail on this one (docs/registry.md)."""
 
 EMPTY_JSON = b"{}"
 EMPTY_DESCRIPTOR: dict[str, Any] = {
@@ -98,7 +106,8 @@ def push_engine_image(
         "schemaVersion": 2,
         "mediaType": MEDIA_TYPE_IMAGE_MANIFEST,
         "config": descriptor(MEDIA_TYPE_IMAGE_CONFIG, config_blob.digest, config_blob.size),
-        "layers": [descriptor(MEDIA_TYPE_IMAGE_LAYER, layer.digest, layer.size)],
+        "layers": [descriptor(MEDIA_TYPE_IMAGE_LAYER, layer.digest, layer.size,
+                              annotations={ANNOTATION_TITLE: ENGINE_LAYER_TITLE})],
     }
     if annotations:
         manifest["annotations"] = dict(annotations)
@@ -120,10 +129,12 @@ def push_referrer(
     payload: bytes,
     payload_media_type: str,
     annotations: dict[str, str],
+    title: str | None = None,
 ) -> str:
     """Attach ``payload`` (a report, a signature) to the manifest ``subject`` describes, as an
     image-spec 1.1 artifact manifest: ``artifactType`` set, the empty config, one layer holding
-    the payload. Returns the artifact manifest's digest. The subject must be stored already."""
+    the payload (``title``: the file name ``oras pull`` writes it to). Returns the artifact manifest's
+    digest. The subject must be stored already."""
     if not artifact_type:
         raise ValueError("an artifact with the empty config needs an artifactType")
     subject = descriptor(subject["mediaType"], subject["digest"], subject["size"])
@@ -135,7 +146,8 @@ def push_referrer(
         "mediaType": MEDIA_TYPE_IMAGE_MANIFEST,
         "artifactType": artifact_type,
         "config": dict(EMPTY_DESCRIPTOR),
-        "layers": [descriptor(payload_media_type, layer.digest, layer.size)],
+        "layers": [descriptor(payload_media_type, layer.digest, layer.size,
+                              **({"annotations": {ANNOTATION_TITLE: title}} if title else {}))],
         "subject": subject,
     }
     if annotations:

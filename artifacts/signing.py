@@ -30,6 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from artifacts.tarball import INTERNAL_NAMES
 from kiln.errors import SignatureInvalid, SpecError
 
 SIGNATURE_FILE = "model.sig"  # where `kiln pull` writes the engine-files bundle, beside the files
@@ -47,7 +48,8 @@ class Signer(Protocol):
         """ECDSA P-256 / SHA-256 signature of ``data``, DER encoded."""
 
     def sign_files(self, directory: Path) -> bytes:
-        """The ``model_signing`` bundle (JSON bytes) over every file under ``directory`` but ``model.sig``."""
+        """The ``model_signing`` bundle (JSON bytes) over every file under ``directory`` but ``model.sig`` and
+        Kiln's own records (``artifacts.tarball.INTERNAL_NAMES``, which the engine layer leaves out too)."""
 
 
 def fingerprint(public_pem: bytes) -> str:
@@ -86,7 +88,7 @@ class PemSigner:
         with self._key_path() as key_path, tempfile.TemporaryDirectory(prefix="kiln-sig-") as tmp:
             out = Path(tmp) / SIGNATURE_FILE
             (signing.Config().use_elliptic_key_signer(private_key=key_path)
-             .set_hashing_config(hashing.Config().set_ignored_paths(paths=[SIGNATURE_FILE]))
+             .set_hashing_config(hashing.Config().set_ignored_paths(paths=[SIGNATURE_FILE, *sorted(INTERNAL_NAMES)]))
              .sign(directory, out))
             return out.read_bytes()
 

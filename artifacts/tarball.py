@@ -3,7 +3,8 @@
 ``tar_chunks`` (and ``write_tar``, which writes them to a file) makes the same bytes from the same
 directory content on any machine, at any time, as any user: entries in sorted order, mtime 0, owner
 0:0 with empty names, modes normalised to 0644/0755, PAX format. That is what makes an engine
-image's digest a function of its files.
+image's digest a function of its files. Kiln's own records beside those files (:data:`INTERNAL_NAMES`, the stage
+cache's ``.complete``) are never packed: they describe one worker's copy, not the engine.
 
 ``unpack_tar`` trusts nothing in the archive. It reads the tar as a stream (so a layer is hashed
 while it is unpacked) and writes every file itself: only regular files and directories, with
@@ -25,11 +26,17 @@ from typing import BinaryIO
 
 _BUFSIZE = 1 << 20
 
+STAGE_RECORD = ".complete"
+"""The stage cache's record of a finished output (``builder/stagecache.py``), written in the output's folder."""
+INTERNAL_NAMES = frozenset({STAGE_RECORD})
+"""Top-level names in a packed folder that are Kiln's bookkeeping, not content: left out of every tar (a stage
+output's blob, an engine image's layer) and of the engine files' signature (``artifacts/signing.py``)."""
+
 
 def write_tar(src_dir: Path, dest: Path) -> str:
-    """Write a deterministic, uncompressed tar of ``src_dir``'s content (not the directory itself)
-    to ``dest`` and return its digest. Refuses symlinks and anything else that is not a regular file
-    or a directory."""
+    """Write a deterministic, uncompressed tar of ``src_dir``'s content (not the directory itself, nor
+    :data:`INTERNAL_NAMES`) to ``dest`` and return its digest. Refuses symlinks and anything else that is not
+    a regular file or a directory."""
     hasher = hashlib.sha256()
     chunks = tar_chunks(src_dir)  # refuses before anything is written
     with open(dest, "wb") as out:
@@ -43,6 +50,7 @@ def tar_chunks(src_dir: Path) -> Iterator[bytes]:
     """The bytes of the deterministic tar of ``src_dir``'s content, in pieces of at most 1 MiB, made as they
     are read: what ``tarfile`` writes for the same entries (PAX headers from ``TarInfo.tobuf``, data padded to
     512-byte blocks, two zero blocks, the record padded to 10240 bytes), without writing the archive to disk.
+    :data:`INTERNAL_NAMES` at the top of ``src_dir`` are left out.
     The directory is walked (and anything not a regular file or a directory refused) before the first byte;
     a file that changes size meanwhile raises ``OSError``."""
     src_dir = Path(src_dir)
@@ -83,8 +91,10 @@ def _tar_chunks(entries) -> Iterator[bytes]:
 
 
 def _walk(directory: Path, prefix: str) -> Iterator[tuple[str, Path, os.stat_result]]:
-    """Depth first, children sorted by name, each directory before what it holds."""
+    """Depth first, children sorted by name, each directory before what it holds; Kiln's records left out."""
     for name in sorted(os.listdir(directory)):
+        if not prefix and name in INTERNAL_NAMES:
+            continue
         path, rel = directory / name, f"{prefix}{name}"
         st = path.lstat()
         if stat.S_ISDIR(st.st_mode):

@@ -21,7 +21,7 @@ from typing import Any
 
 from artifacts.interfaces import BlobStore
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_referrer
-from artifacts.signing import BUNDLE_TYPE, DSSE_TYPE, IN_TOTO_PAYLOAD_TYPE, Signer, dsse_sign
+from artifacts.signing import BUNDLE_TYPE, DSSE_TYPE, IN_TOTO_PAYLOAD_TYPE, SIGNATURE_FILE, Signer, dsse_sign
 
 SIGNATURE_KEY_ANNOTATION = "dev.kiln.signature.key"
 SIGNED_TYPES = (BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE)
@@ -102,10 +102,10 @@ def sign_engine(store: BlobStore, signer: Signer, *, manifest_digest: str, manif
     payload = json.dumps(statement, sort_keys=True, separators=(",", ":")).encode()
     envelope = json.dumps(dsse_sign(signer, IN_TOTO_PAYLOAD_TYPE, payload), sort_keys=True).encode()
     rows = []
-    for artifact_type, body, media_type in ((BUNDLE_TYPE, bundle, BUNDLE_TYPE),
-                                            (IN_TOTO_PAYLOAD_TYPE, envelope, DSSE_TYPE)):
+    for artifact_type, body, media_type, title in ((BUNDLE_TYPE, bundle, BUNDLE_TYPE, SIGNATURE_FILE),
+                                                   (IN_TOTO_PAYLOAD_TYPE, envelope, DSSE_TYPE, "provenance.dsse.json")):
         digest = push_referrer(store, subject, artifact_type=artifact_type, payload=body,
-                               payload_media_type=media_type, annotations=ann)
+                               payload_media_type=media_type, annotations=ann, title=title)
         rows.append({"digest": digest, "artifact_type": artifact_type, "size": store.stat(digest).size,
                      "annotations": ann})
     return rows

@@ -113,12 +113,12 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
     ref_annotations = {f"{ANNOTATION_PREFIX}.build-key": build_key}
     ref_digest = push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
                                artifact_type=PROVENANCE_TYPE, payload=payload, payload_media_type=PROVENANCE_TYPE,
-                               annotations=ref_annotations)
+                               annotations=ref_annotations, title="provenance.json")
     report = to_json(report_document(image.digest, repository=spec.model_name, tag=tag_for(spec),
                                      provenance=provenance, validation=validation)).encode()
     report_digest = push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
                                   artifact_type=REPORT_TYPE, payload=report, payload_media_type=REPORT_TYPE,
-                                  annotations=ref_annotations)
+                                  annotations=ref_annotations, title="report.json")
     signed = sign_engine(store, signer or configured_signer(), manifest_digest=image.digest, manifest_size=image.size,
                          layer_digests=[layer.digest for layer in image.layers], engine_dir=engine_dir,
                          repository=spec.model_name, provenance=provenance, validation=validation,

@@ -5,6 +5,9 @@ Where things are:
 
 * **In the store**: the output directory as one deterministic tar blob (:func:`~artifacts.tarball.tar_chunks`; for
   a compile output these are the very bytes of the engine image's layer, so publishing it uploads nothing again).
+  The blob holds the output's files only, never ``.complete``: the stage record is this disk's bookkeeping (the
+  database row is the store's), and it would make the engine layer differ from one build of the same key to the
+  next.
 * **In the database**: ``stage_outputs`` maps the stage key to that blob's digest (the store is addressed by digest
   only, and every worker reaches the database). The row is written after the blob, so a row never names a
   missing blob; ``kiln gc`` drops rows no engine needs (``builder/gc.py``).
@@ -40,7 +43,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.interfaces import BlobStore
-from artifacts.tarball import ChunkReader, HashingReader, tar_chunks, unpack_tar
+from artifacts.tarball import STAGE_RECORD, ChunkReader, HashingReader, tar_chunks, unpack_tar
 from builder.claims import StageClaims
 from kiln.errors import BlobUnknown
 from kiln.models import StageOutput
@@ -48,7 +51,7 @@ from kiln.models import StageOutput
 log = logging.getLogger(__name__)
 
 STAGES = ("quantize", "compile", "reference")  # reference: the unquantized model's results (validation/reference.py)
-COMPLETE = ".complete"
+COMPLETE = STAGE_RECORD  # never packed (artifacts.tarball.INTERNAL_NAMES)
 
 
 def _now() -> datetime:
@@ -218,9 +221,11 @@ class StageCache:
                 reader.drain()
             finally:
                 reader.close()
-            if reader.digest != digest or not (out / COMPLETE).is_file():
+            if reader.digest != digest:
                 log.warning("stored %s output %s (%s) does not match its digest; producing it again", stage, key, digest)
                 return False
+            # a blob an older Kiln stored holds its producer's record; the digest, checked, is the record here
+            (out / COMPLETE).write_text(json.dumps({"fetched": digest}, sort_keys=True))
             self._commit(out, final)
             log.info("%s output %s fetched from the store (%s, %d bytes)", stage, key, digest, reader.size)
             self.evict(keep=final)

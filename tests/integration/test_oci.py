@@ -238,6 +238,31 @@ def test_raw_http_errors(reg):
 
 
 # -- kiln pull --server ------------------------------------------------------------------------------------------
+def test_oras_pull_writes_the_titled_layer_and_referrer_payloads(reg, tmp_path):
+    """oras (oras-py, the `oras` package) writes each layer to the file its org.opencontainers.image.title names:
+    the engine layer as engine.tar (a plain tar: oras unpacks only gzip "directory" layers), a referrer's payload
+    under its own name."""
+    oras_client = pytest.importorskip("oras.client", reason="oras-py is not installed (pip install oras)")
+    client = oras_client.OrasClient(hostname=reg.host, insecure=True)
+    [layer] = manifest_of(reg)["layers"]
+    assert layer["annotations"] == {"org.opencontainers.image.title": "engine.tar"}
+    files = client.pull(target=f"{reg.host}/{REPO}@{reg.digest}", outdir=str(tmp_path / "oras"))
+    assert files == [str(tmp_path / "oras" / "engine.tar")]
+    assert sha_file(tmp_path / "oras" / "engine.tar") == layer["digest"]
+    engine = unpack_layer(tmp_path / "oras" / "engine.tar", tmp_path / "engine")
+    assert tree(engine) == reg.engine_tree and ".complete" not in tree(engine)
+    index = httpx.get(f"{reg.url}/v2/{REPO}/referrers/{reg.digest}").json()
+    titles = {}
+    for ref in index["manifests"]:
+        out = tmp_path / ref["digest"].split(":")[1]
+        [got] = client.pull(target=f"{reg.host}/{REPO}@{ref['digest']}", outdir=str(out))
+        titles[ref["artifactType"]] = Path(got).name
+    assert titles == {"application/vnd.kiln.provenance.v1+json": "provenance.json",
+                      "application/vnd.kiln.validation-report.v1+json": "report.json",
+                      "application/vnd.dev.sigstore.bundle.v0.3+json": "model.sig",
+                      "application/vnd.in-toto+json": "provenance.dsse.json"}
+
+
 def test_kiln_pull_from_a_server(reg, tmp_path):
     dest = tmp_path / "pulled"
     r = reg.kiln("pull", f"{REPO}@{reg.digest}", str(dest), "--server", reg.url)

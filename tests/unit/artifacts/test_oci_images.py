@@ -75,6 +75,28 @@ def test_write_tar_is_deterministic_and_normalised(tmp_path):
         assert m.mode == (0o755 if m.isdir() else 0o644)
 
 
+def test_an_engine_packed_in_two_homes_is_one_layer_without_kilns_records(tmp_path):
+    """Two workers' copies of one engine: other absolute paths, other mtimes and modes, each with its own stage
+    record (``.complete``, which names its own paths and times): the same bytes, and no record in them."""
+    from artifacts.tarball import tar_chunks
+
+    homes = []
+    for i, (mtime, mode) in enumerate([(1, 0o600), (2_000_000_000, 0o664)]):
+        engine = make_engine(tmp_path / f"home{i}" / "cache" / "compile" / ("ab"[i] * 8), mtime=mtime, mode=mode)
+        (engine / ".complete").write_text(json.dumps({"dir": str(engine), "seconds": 1.5 * (i + 1)}))
+        (engine / "tokenizer" / ".complete").write_bytes(b"content: only the top-level record is Kiln's")
+        homes.append(engine)
+    a, b = (b"".join(tar_chunks(h)) for h in homes)
+    assert a == b and str(tmp_path).encode() not in a
+    with tarfile.open(fileobj=io.BytesIO(a)) as tar:
+        names = tar.getnames()
+    assert ".complete" not in names and "tokenizer/.complete" in names
+    digests = {write_tar(h, tmp_path / f"{i}.tar") for i, h in enumerate(homes)}
+    images = [push(LocalBlobStore(h.parent / "store"), h) for h in homes]
+    assert len(digests) == 1 and images[0].layers == images[1].layers and images[0].digest == images[1].digest
+    assert images[0].layers[0].digest == digests.pop()
+
+
 def _tarfile_reference(src: Path) -> bytes:
     """The same entries written by ``tarfile`` itself: the oracle for the streamed tar."""
     out = io.BytesIO()
@@ -151,7 +173,8 @@ def test_manifest_and_config_follow_the_image_spec(tmp_path, local):
         "schemaVersion": 2,
         "mediaType": MEDIA_TYPE_IMAGE_MANIFEST,
         "config": descriptor(MEDIA_TYPE_IMAGE_CONFIG, image.config_digest, local.stat(image.config_digest).size),
-        "layers": [{"mediaType": MEDIA_TYPE_IMAGE_LAYER, "digest": layer.digest, "size": layer.size}],
+        "layers": [{"mediaType": MEDIA_TYPE_IMAGE_LAYER, "digest": layer.digest, "size": layer.size,
+                    "annotations": {"org.opencontainers.image.title": "engine.tar"}}],  # what `oras pull` writes
         "annotations": ANNOTATIONS,
     }
     config = read_config(local, image.manifest)
@@ -186,6 +209,9 @@ def test_referrer_is_an_artifact_manifest_about_its_subject(tmp_path, local):
     assert manifest["config"] == EMPTY_DESCRIPTOR and local.get_bytes(EMPTY_DESCRIPTOR["digest"]) == b"{}"
     assert manifest["layers"] == [descriptor("application/json", sha256_bytes(report), len(report))]
     assert local.get_bytes(manifest["layers"][0]["digest"]) == report
+    titled = read_manifest(local, push_referrer(local, subject, artifact_type="a/b", payload=report,
+                                                payload_media_type="a/b", annotations={}, title="report.json"))
+    assert titled["layers"][0]["annotations"] == {"org.opencontainers.image.title": "report.json"}
 
 
 def test_referrer_needs_a_stored_subject(local):

@@ -277,6 +277,23 @@ def test_pull_verify_key_refuses_and_writes_nothing(kiln, tmp_path):
     assert model_signing_verify(tmp_path / "plain", pub).returncode == 0
 
 
+def test_a_stage_cache_engine_publishes_and_verifies_without_its_stage_record(kiln, tmp_path):
+    """The engine directory a build publishes is its stage-cache entry, with ``.complete`` beside the files: the
+    layer leaves the record out, so the signature must too, and the pulled engine verifies without it."""
+    engine = tmp_path / "engine-c"
+    engine.mkdir()
+    (engine / ".complete").write_text(json.dumps({"seconds": 1.5, "dir": str(engine)}))
+    art = kiln.publish("engine-c")
+    pub = tmp_path / "kiln.pub"
+    pub.write_bytes(configured_signer().public_pem)
+    out = tmp_path / "pulled"
+    r = CliRunner().invoke(main, ["pull", art.digest, str(out), "--verify-key", str(pub)])
+    assert r.exit_code == 0 and "verified, signed by" in r.output, r.output
+    assert not (out / ".complete").exists() and (out / "config.json").is_file()
+    assert ".complete" not in (out / SIGNATURE_FILE).read_text()
+    assert model_signing_verify(out, pub).returncode == 0
+
+
 def test_rotation_old_engines_verify_with_trusted_keys(kiln, tmp_path, monkeypatch):
     a = kiln.publish("engine-a")
     old_pub = configured_signer().public_pem

@@ -52,6 +52,11 @@ def tree(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+def files(path: Path) -> dict[str, bytes]:
+    """The output's files, without the stage record each worker writes for itself."""
+    return {k: v for k, v in tree(path).items() if k != ".complete"}
+
+
 def test_an_output_made_on_one_worker_is_reused_by_a_worker_with_another_disk(tmp_path, shared):
     a, b = worker(tmp_path, shared, "a"), worker(tmp_path, shared, "b")
     calls: list = []
@@ -61,11 +66,29 @@ def test_an_output_made_on_one_worker_is_reused_by_a_worker_with_another_disk(tm
 
     fetched, record_b = b.get("quantize", KEY_A, producer(calls))
     assert len(calls) == 1 and record_b is None  # not produced again
-    assert fetched.parent.parent == tmp_path / "b" / "cache" and tree(fetched) == tree(made)
+    assert fetched.parent.parent == tmp_path / "b" / "cache" and files(fetched) == files(made)
     with shared[0]() as s:
         row = s.get(StageOutput, KEY_A)
     assert row.stage == "quantize" and shared[1].exists(row.digest)
     assert b.where("quantize", KEY_A) == "local" and worker(tmp_path, shared, "c").where("quantize", KEY_A) == "store"
+    a.release(), b.release()
+
+
+def test_the_stored_blob_holds_the_files_and_never_the_stage_record(tmp_path, shared):
+    """The record (timings, this disk's bookkeeping) stays local: the blob, which for a compile output is the
+    engine image's layer, is the output's files alone; a worker that fetches it writes its own record."""
+    import io
+    import tarfile
+
+    a, b = worker(tmp_path, shared, "a"), worker(tmp_path, shared, "b")
+    made, _ = a.get("compile", KEY_A, producer([]))
+    with shared[0]() as s:
+        digest = s.get(StageOutput, KEY_A).digest
+    with tarfile.open(fileobj=io.BytesIO(shared[1].get_bytes(digest))) as tar:
+        assert tar.getnames() == ["sub", "sub/config.json", "weights.bin"]
+    fetched, record = b.get("compile", KEY_A, producer([]))
+    assert record is None and json.loads((fetched / ".complete").read_text()) == {"fetched": digest}
+    assert files(fetched) == files(made) and (made / ".complete").is_file()
     a.release(), b.release()
 
 
@@ -203,7 +226,7 @@ def test_builds_needing_one_output_at_once_on_several_workers_produce_it_once(tm
         t.join(60)
     assert len(calls) == 1
     assert sorted(r is None for _, r in results.values()) == [False, True, True]  # one produced, two reused
-    trees = [tree(path) for path, _ in results.values()]
+    trees = [files(path) for path, _ in results.values()]
     assert trees[0] == trees[1] == trees[2]
     with shared[0]() as s:
         from kiln.models import StageClaim
