@@ -1,4 +1,5 @@
-"""The FastAPI application: routers, and the one place where domain errors become HTTP responses."""
+"""The FastAPI application: routers, and the handlers that turn domain and framework errors into answers (all
+built by ``api.errors.error_response`` from the one table)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,16 @@ import gc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kiln
 from api.bodies import SafeJSONResponse
-from api.errors import http_status
+from api.errors import database_unavailable, error_response, framework_error
 from api.routes import admission, artifacts, builds, dashboard, health, keys, metrics, models, oci, workers
 from kiln.bell import Bell
-from kiln.errors import KilnError
+from kiln import errors as e
 from kiln.settings import Settings, get_settings
 from kiln.spec import BuildSpec
 
@@ -69,30 +69,27 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
     app.include_router(auth.router)
     auth.install(app)  # request size limit, tokens and scopes
 
-    @app.exception_handler(KilnError)
-    async def kiln_error(_: Request, exc: KilnError):
-        return JSONResponse({"error": exc.to_dict()}, status_code=http_status(exc))
+    @app.exception_handler(e.KilnError)
+    async def kiln_error(request: Request, exc: e.KilnError):
+        return error_response(exc, request)
 
     @app.exception_handler(DBAPIError)
-    async def database_down(_: Request, exc: DBAPIError):
+    async def database_down(request: Request, exc: DBAPIError):
         if not exc.connection_invalidated and not isinstance(exc, (OperationalError, InterfaceError)):
             raise exc
-        return JSONResponse({"error": {"code": "database_unavailable", "field": "database",
-                                       "message": f"the database is unreachable ({type(exc.orig).__name__})",
-                                       "fix": "retry shortly; Kiln reconnects by itself"}},
-                            status_code=503, headers={"Retry-After": "5"})
+        return error_response(database_unavailable(exc), request)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError):
-        errs = [{"field": ".".join(str(p) for p in e["loc"] if p not in ("query", "path", "body")) or "request",
-                 "message": e["msg"]} for e in exc.errors()]
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        errs = [{"field": ".".join(str(p) for p in err["loc"] if p not in ("query", "path", "body")) or "request",
+                 "message": err["msg"]} for err in exc.errors()]
         first = errs[0] if errs else {"field": "request", "message": "invalid request"}
-        return JSONResponse({"error": {"code": "invalid_request", **first, "fix": "see GET /openapi.json",
-                                       "errors": errs}}, status_code=422)
+        return error_response(e.InvalidRequest(first["message"], field=first["field"], fix="see GET /openapi.json",
+                                               details=errs), request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException):
-        return JSONResponse({"error": {"code": "http_error", "message": str(exc.detail)}}, status_code=exc.status_code)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(framework_error(exc), request)
 
     def openapi():
         if app.openapi_schema is None:

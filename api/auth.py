@@ -20,10 +20,12 @@ from datetime import timedelta, timezone
 from typing import Any
 
 from fastapi import APIRouter, Body, Request
-from fastapi.responses import JSONResponse
 from sqlalchemy import select
+from starlette.requests import Request as ScopeRequest
 
 from api.deps import SessionDep, SettingsDep
+from api.errors import database_unavailable, error_response
+from kiln import errors as e
 from kiln.errors import SpecError
 from kiln.models import ApiToken, utcnow
 
@@ -80,13 +82,6 @@ def control_characters(path: str) -> bool:
     return any(ord(c) < 0x20 or ord(c) == 0x7F for c in path)
 
 
-class ScopeDenied(Exception):
-    """Raised by :func:`route_scope`; answered with :attr:`response` (the middleware's refusal body)."""
-
-    def __init__(self, response: JSONResponse):
-        self.response = response
-
-
 async def route_scope(request: Request) -> None:
     """The scope check that decides, run for every API route once it is matched (an app-wide dependency): the
     scope comes from the matched route's path template, never from the path as the client spelled it."""
@@ -98,10 +93,9 @@ async def route_scope(request: Request) -> None:
         return
     if request.state.anonymous and anonymous_ok(request.app.state.settings, request.method, template, need):
         return
-    path = request.scope["path"]
     if request.state.anonymous:
-        raise ScopeDenied(_deny(401, path, "a token is required", "send Authorization: Bearer <token>"))
-    raise ScopeDenied(_deny(403, path, f"this token lacks the {need} scope", f"use a token with {need}"))
+        raise _unauthorized("a token is required", "send Authorization: Bearer <token>")
+    raise _forbidden(f"this token lacks the {need} scope", f"use a token with {need}")
 
 
 def bearer_or_basic(header: str | None) -> str | None:
@@ -118,26 +112,18 @@ def bearer_or_basic(header: str | None) -> str | None:
     return None
 
 
-def _deny(status: int, path: str, message: str, fix: str) -> JSONResponse:
-    # Basic only: registry clients read a Bearer realm as the URL of a token service and would send the
-    # user's credentials there. "Authorization: Bearer <token>" is still accepted.
-    headers = {"WWW-Authenticate": 'Basic realm="kiln"'} if status == 401 else {}
-    if path.startswith("/v2"):
-        headers["Docker-Distribution-API-Version"] = "registry/2.0"
-        code = "UNAUTHORIZED" if status == 401 else "DENIED"
-        return JSONResponse({"errors": [{"code": code, "message": message, "detail": fix}]}, status_code=status,
-                            headers=headers)
-    return JSONResponse({"error": {"code": "unauthorized" if status == 401 else "forbidden", "field": "Authorization",
-                                   "message": message, "fix": fix}}, status_code=status, headers=headers)
+def _unauthorized(message: str, fix: str) -> e.Unauthorized:
+    # detail: the OCI body (/v2) carries the fix as its detail
+    return e.Unauthorized(message, field="Authorization", fix=fix, detail=fix)
 
 
-def _invalid_path(path: str) -> JSONResponse:
-    message, fix = "the path holds a control character", "remove it (no Kiln path has one)"
-    if path.startswith("/v2"):
-        return JSONResponse({"errors": [{"code": "NAME_INVALID", "message": message, "detail": fix}]}, status_code=400,
-                            headers={"Docker-Distribution-API-Version": "registry/2.0"})
-    return JSONResponse({"error": {"code": "invalid_path", "field": "path", "message": message, "fix": fix}},
-                        status_code=400)
+def _forbidden(message: str, fix: str) -> e.Forbidden:
+    return e.Forbidden(message, field="Authorization", fix=fix, detail=fix)
+
+
+def _refuse(exc: e.KilnError, scope, receive, send):
+    """The table's answer to ``exc``, sent from a pure ASGI middleware (before any route)."""
+    return error_response(exc, ScopeRequest(scope))(scope, receive, send)
 
 
 class AuthMiddleware:
@@ -170,12 +156,13 @@ class AuthMiddleware:
                    if k in (b"content-length", b"authorization")}
         path, settings = scope["path"], self.settings
         if control_characters(path):
-            return await _invalid_path(path)(scope, receive, send)
+            fix = "remove it (no Kiln path has one)"
+            return await _refuse(e.InvalidPath("the path holds a control character", field="path", fix=fix,
+                                               detail=fix), scope, receive, send)
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > settings.max_body_bytes:
-            return await JSONResponse({"error": {"code": "too_large", "field": "body",
-                                                 "message": f"body over {settings.max_body_bytes} bytes",
-                                                 "fix": "send a smaller request"}}, status_code=413)(scope, receive, send)
+            return await _refuse(e.PayloadTooLarge(f"body over {settings.max_body_bytes} bytes", field="body",
+                                                   fix="send a smaller request"), scope, receive, send)
         # what the caller may do, for routes that answer differently to admins (request.state.scopes)
         # (request.state.anonymous: let through without a token checked; route_scope checks the route again)
         state = scope.setdefault("state", {})
@@ -191,51 +178,45 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         client = (scope.get("client") or ("?",))[0]
         if headers.get("authorization") and self._throttled(client):
-            return await JSONResponse({"error": {"code": "too_many_failures", "field": "Authorization",
-                                                 "message": "too many failed token checks from this address",
-                                                 "fix": f"wait {int(FAILURE_WINDOW_S)} s and use a valid token"}},
-                                      status_code=429, headers={"Retry-After": str(int(FAILURE_WINDOW_S))}
-                                      )(scope, receive, send)
-        denied, granted = await self._check(headers.get("authorization"), need, path)
+            return await _refuse(e.RateLimited("too many failed token checks from this address", field="Authorization",
+                                               fix=f"wait {int(FAILURE_WINDOW_S)} s and use a valid token",
+                                               headers={"Retry-After": str(int(FAILURE_WINDOW_S))}),
+                                 scope, receive, send)
+        denied, granted = await self._check(headers.get("authorization"), need)
         if denied is not None:
-            if denied.status_code == 401 and headers.get("authorization"):
+            if isinstance(denied, e.Unauthorized) and headers.get("authorization"):
                 self._failed(client)
-            return await denied(scope, receive, send)
+            return await _refuse(denied, scope, receive, send)
         state["scopes"] = granted
         return await self.app(scope, receive, send)
 
-    async def _check(self, authorization: str | None, need: str, path: str) -> tuple[JSONResponse | None, set]:
+    async def _check(self, authorization: str | None, need: str) -> tuple[e.KilnError | None, set]:
+        """The refusal of a request (None: none) and the scopes its token grants."""
         from sqlalchemy.exc import DBAPIError
         from starlette.concurrency import run_in_threadpool
 
         token = bearer_or_basic(authorization)
         if token is None:
-            return _deny(401, path, "a token is required", "send Authorization: Bearer <token>"), set()
+            return _unauthorized("a token is required", "send Authorization: Bearer <token>"), set()
         try:
             row = await run_in_threadpool(_lookup, self.kiln_app, token)
         except DBAPIError as exc:
-            return JSONResponse({"error": {"code": "database_unavailable", "field": "database",
-                                           "message": f"the database is unreachable ({type(exc.orig).__name__})",
-                                           "fix": "retry shortly; Kiln reconnects by itself"}}, status_code=503), set()
+            return database_unavailable(exc), set()
         if row is None:
-            return _deny(401, path, "unknown or revoked token", "ask an admin for a token"), set()
+            return _unauthorized("unknown or revoked token", "ask an admin for a token"), set()
         granted = set().union(*(IMPLIES.get(s, set()) for s in row.scopes))
         if need not in granted:
-            return _deny(403, path, f"this token lacks the {need} scope",
-                         f"use a token with {need} (it has {', '.join(row.scopes)})"), granted
+            return _forbidden(f"this token lacks the {need} scope",
+                              f"use a token with {need} (it has {', '.join(row.scopes)})"), granted
         return None, granted
 
 
 def install(app) -> None:
-    """The middleware (early checks) and the refusal :func:`route_scope` raises; the app passes
-    ``route_scope`` as its dependency when it is created (api/app.py), so every route, included ones too, has it."""
+    """The middleware (early checks); the app passes ``route_scope`` as its dependency when it is created
+    (api/app.py), so every route, included ones too, has it, and answers what it raises with the error table."""
     from api.bodies import BodyLimitMiddleware
 
     settings = app.state.settings
-
-    @app.exception_handler(ScopeDenied)
-    async def scope_denied(_, exc: ScopeDenied):
-        return exc.response
 
     # inside the auth check (a request without a token is refused before its body is read)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -274,10 +255,9 @@ def token_read(t: ApiToken) -> dict:
 def create_token(session: SessionDep, settings: SettingsDep, body: Any = Body(None)):
     """Create a token (admin). The token is in this response only."""
     if not settings.auth_required:  # nobody is authenticated: a token minted now would be anyone's
-        return JSONResponse({"error": {"code": "auth_off", "field": "KILN_AUTH",
-                                       "message": "tokens are not required on this server, so none can be minted",
-                                       "fix": "start the API with KILN_AUTH=required and KILN_BOOTSTRAP_TOKEN, "
-                                              "then mint tokens with the bootstrap token"}}, status_code=403)
+        raise e.AuthOff("tokens are not required on this server, so none can be minted", field="KILN_AUTH",
+                        fix="start the API with KILN_AUTH=required and KILN_BOOTSTRAP_TOKEN, "
+                            "then mint tokens with the bootstrap token")
     if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"].strip():
         raise SpecError("a name is required", field="name", fix='send {"name": "ci", "scopes": ["builds:write"]}')
     scopes = body.get("scopes")
@@ -308,8 +288,7 @@ def revoke_token(token_id: str, session: SessionDep):
     """Revoke a token (admin)."""
     row = session.get(ApiToken, token_id[:32])
     if row is None:
-        return JSONResponse({"error": {"code": "token_unknown", "field": "id", "message": f"no token {token_id!r}",
-                                       "fix": "list tokens with GET /v1/tokens"}}, status_code=404)
+        raise e.TokenUnknown(f"no token {token_id!r}", field="id", fix="list tokens with GET /v1/tokens")
     row.revoked_at = row.revoked_at or utcnow()
     session.commit()
     return token_read(row)

@@ -15,7 +15,11 @@ import json
 import math
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse
+
+from api.errors import error_response
+from kiln import errors as e
 
 #: Deeper JSON than this is no request Kiln takes (and json.loads would hit Python's recursion limit).
 MAX_JSON_DEPTH = 64
@@ -77,8 +81,8 @@ def non_finite_path(value: Any, path: str = "") -> str | None:
 
 
 def json_body_problem(body: bytes) -> dict | None:
-    """Why a JSON body must be refused (non-finite number, too deep), or None (also for what is no JSON:
-    the route says so itself)."""
+    """Why a JSON body must be refused (non-finite number, too deep): the fields of an ``invalid_request`` error,
+    or None (also for what is no JSON: the route says so itself)."""
     stripped = body.lstrip().removeprefix(codecs.BOM_UTF8).lstrip()  # json.loads reads bytes behind a BOM too
     if stripped[:1] not in (b"{", b"["):
         return None
@@ -118,20 +122,16 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await JSONResponse(
-                    {"error": {"code": "too_large", "field": "body", "message": f"body over {self.max_bytes} bytes",
-                               "fix": "send a smaller request"}}, status_code=413,
-                    headers={"Connection": "close"})(scope, receive, send)
+                too_large = e.PayloadTooLarge(f"body over {self.max_bytes} bytes", field="body",
+                                              fix="send a smaller request", headers={"Connection": "close"})
+                return await error_response(too_large, Request(scope))(scope, receive, send)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
         if body and (problem := json_body_problem(body)) is not None:
-            if scope["path"].startswith("/v2"):
-                error = {"errors": [{"code": "UNSUPPORTED", "message": problem["message"], "detail": problem["field"]}]}
-            else:
-                error = {"error": problem}
-            return await JSONResponse(error, status_code=422)(scope, receive, send)
+            invalid = e.InvalidRequest(problem["message"], field=problem["field"], fix=problem["fix"])
+            return await error_response(invalid, Request(scope))(scope, receive, send)
         return await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
 
 

@@ -11,14 +11,13 @@ from api.cli import _context, main
 
 
 def _resolve_local(query: dict) -> dict:
-    from kiln.errors import ArtifactUnknown
     from workers.resolution import resolve_engine
 
     _, _, sessions = _context()
     with sessions() as session:
         r = resolve_engine(session, **query)
     if r.artifact is None:
-        raise ArtifactUnknown(r.reason, field="model", fix="wait for the build, or register/refresh the model")
+        raise r.error()
     a = r.artifact
     return {"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status,
             "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance}

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from api.cli import _context, _find_artifact, main
-from kiln.errors import DigestMismatch, SignatureInvalid, SpecError
+from kiln.errors import DigestMismatch, SignatureInvalid, SpecError, UnsafeLayer
 
 
 @main.command()
@@ -28,7 +28,7 @@ def verify(ref: str, key: str | None, server: str | None) -> None:
                         field="key", fix="pass --key kiln.pub (from `kiln keys public` on the signing Kiln)")
     try:
         if server:
-            from api.pull import UnsafeLayer, pull_remote
+            from api.pull import pull_remote
 
             with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
                 try:

@@ -36,6 +36,7 @@ from artifacts.tarball import unpack_tar
 from builder.verify import verify_engine
 from kiln import errors as e
 from kiln.digests import parse_digest
+from kiln.errors import UnsafeLayer
 
 MEDIA_TYPE_IMAGE_INDEX = "application/vnd.oci.image.index.v1+json"
 ACCEPT = ", ".join([MEDIA_TYPE_IMAGE_MANIFEST, MEDIA_TYPE_IMAGE_INDEX])
@@ -46,12 +47,6 @@ CONFIG_MAX = 4 << 20  # an image config is JSON parsed in memory: the same bound
 ERROR_MAX = 64 << 10  # an error body is read only to quote its message
 SIGNATURE_MAX = 16 << 20  # a signature bundle lists every file's digest; an envelope holds the provenance
 SIGNATURES_MAX = 16  # signature referrers read per engine (rotation leaves a few)
-
-
-class UnsafeLayer(e.KilnError):
-    """A layer whose bytes are verified but whose archive breaks the unpack rules (links, ``..``, devices)."""
-
-    code = "unsafe_layer"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, and_, bindparam, case, literal, select, true, union_all
 from sqlalchemy.orm import Session
 
-from kiln.errors import SpecError
+from kiln.errors import ArtifactUnknown, SpecError, by_code
 from kiln.models import Artifact, Build, EngineName, TrackedModel
 from kiln.spec import BACKENDS, PRECISIONS, normalize_target
 from kiln.toolchain import cpu_incompatibility
@@ -38,6 +38,13 @@ class Resolution:
     code: str
     reason: str
     signature: dict | None = None  # {signed, trusted, key, keys} of the answer (api/routes/models.py fills it)
+
+    def error(self) -> ArtifactUnknown:
+        """Why no engine is answered, as the domain error its ``code`` names (its row in api/errors.py gives the
+        same status as ``status``)."""
+        cls = by_code(self.code)
+        cls = cls if cls is not None and issubclass(cls, ArtifactUnknown) else ArtifactUnknown
+        return cls(self.reason, field="model", fix="wait for the build, or register/refresh the model")
 
 
 def parse_runtime(runtime: str | None) -> dict[str, str]:

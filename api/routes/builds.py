@@ -12,7 +12,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from api.bodies import SafeJSONResponse as JSONResponse  # a bad stored float is null, not a 500
 from api.deps import SessionDep, SessionsDep, SettingsDep
 from api.schemas import artifact_answer, build_read
-from kiln.errors import ArtifactUnknown, SpecError
+from kiln.errors import BuildUnknown, SpecError
 from kiln.models import TERMINAL, Build, BuildEvent
 from kiln.spec import BuildSpec, parse_spec
 from kiln.states import request_cancel
@@ -26,10 +26,6 @@ SPEC_BODY = {"oneOf": [{"$ref": "#/components/schemas/BuildSpec"},
                        {"type": "object", "required": ["matrix"], "additionalProperties": False,
                         "properties": {"matrix": {"type": "array", "minItems": 1, "maxItems": MAX_MATRIX,
                                                   "items": {"$ref": "#/components/schemas/BuildSpec"}}}}]}
-
-
-class BuildNotFound(ArtifactUnknown):
-    code = "build_unknown"
 
 
 def _specs(body: Any, roots) -> list[BuildSpec]:
@@ -88,7 +84,7 @@ def list_builds(session: SessionDep, status: str | None = Query(None, pattern="^
 def _get(session, build_id: str) -> Build:
     row = session.get(Build, build_id) if len(build_id) <= 32 else None
     if row is None:
-        raise BuildNotFound(f"no build {build_id!r}", field="id", fix="list builds with GET /v1/builds")
+        raise BuildUnknown(f"no build {build_id!r}", field="id", fix="list builds with GET /v1/builds")
     return row
 
 

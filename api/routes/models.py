@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from api.bodies import SafeJSONResponse as JSONResponse  # a bad stored float is null, not a 500
 from api.deps import SessionDep, SessionsDep, SettingsDep
 from api.schemas import artifact_answer, build_read
+from kiln import errors as e
 from kiln.errors import SpecError
 from kiln.models import TrackedModel
 from workers.freshness import models_for_webhook, refresh_model, register_model, webhook_secret_ok
@@ -64,8 +65,7 @@ def get_model(model: str, session: SessionDep):
     """One tracked model."""
     row = session.get(TrackedModel, model)
     if row is None:
-        return JSONResponse({"error": {"code": "model_unknown", "field": "model", "message": f"{model!r} is not tracked",
-                                       "fix": "register it with PUT /v1/models/{model}"}}, status_code=404)
+        raise e.ModelUnknown(f"{model!r} is not tracked", field="model", fix="register it with PUT /v1/models/{model}")
     return model_read(row)
 
 
@@ -74,14 +74,11 @@ async def huggingface_webhook(request: Request, settings: SettingsDep, sessions:
                               x_webhook_secret: str | None = Header(None)):
     """The Hub's webhook: a moved tracked branch marks old engines stale and builds the new head."""
     if not webhook_secret_ok(settings.webhook_secret, x_webhook_secret):
-        return JSONResponse({"error": {"code": "unauthorized", "field": "X-Webhook-Secret",
-                                       "message": "missing or wrong webhook secret",
-                                       "fix": "set the secret configured as KILN_WEBHOOK_SECRET in the Hub webhook"}},
-                            status_code=401)
+        raise e.Unauthorized("missing or wrong webhook secret", field="X-Webhook-Secret",
+                             fix="set the secret configured as KILN_WEBHOOK_SECRET in the Hub webhook")
     raw = await request.body()
     if len(raw) > MAX_WEBHOOK_BYTES:
-        return JSONResponse({"error": {"code": "too_large", "field": "body", "message": "payload over 1 MiB",
-                                       "fix": "send the Hub's payload"}}, status_code=413)
+        raise e.PayloadTooLarge("payload over 1 MiB", field="body", fix="send the Hub's payload")
     try:
         payload = json.loads(raw)
     except ValueError:
@@ -105,9 +102,7 @@ async def resolve(request: Request, model: str = Query(..., max_length=255), pre
     r = await run_in_threadpool(_resolve, request.app, model=model, precision=precision,
                                 profile=profile, target=target, backend=backend, runtime=runtime)
     if r.artifact is None:
-        return JSONResponse({"error": {"code": r.code, "message": r.reason, "field": "model",
-                                       "fix": "wait for the build, or register/refresh the model"}},
-                            status_code=r.status)
+        raise r.error()
     a = r.artifact
     return JSONResponse({"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status,
                          "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance,

@@ -17,8 +17,9 @@ What may be served is decided by the index rows, never by the store alone:
   itself); one that only a revoked engine names is refused like that engine's manifest (``403 DENIED``). Manifests are immutable, so what each one names is cached per process (an LRU keyed by store and
   manifest digest).
 
-Errors use the spec's body, ``{"errors": [{"code", "message", "detail"}]}``, and only here: the rest of the API
-keeps its ``{"error": {...}}`` shape.
+Errors are domain errors (``kiln/errors.py``), answered by the one error table (``api/errors.py``) with the spec's
+body, ``{"errors": [{"code", "message", "detail"}]}``, and its codes; only here: the rest of the API keeps its
+``{"error": {...}}`` shape.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ from fastapi.routing import APIRoute
 from sqlalchemy import or_, select, true, union, union_all
 from sqlalchemy.orm import Session
 
-from api.errors import http_status
+from api.errors import API_VERSION_HEADER, error_response
 from artifacts.interfaces import BlobStore
 from artifacts.oci import MEDIA_TYPE_IMAGE_INDEX, MEDIA_TYPE_IMAGE_MANIFEST
 from kiln.digests import DIGEST_RE
-from kiln.errors import BlobUnknown, InvalidDigest, KilnError
+from kiln import errors as e
 from kiln.models import Artifact, EngineName, Referrer, Tag
 from kiln.states import named_in
 
@@ -51,7 +52,6 @@ REDIRECT_BLOBS = False
 bytes flow from the store rather than through the API. Off: every byte goes through this process."""
 REDIRECT_EXPIRES_S = 300
 
-API_VERSION_HEADER = {"Docker-Distribution-API-Version": "registry/2.0"}
 STATUS_HEADER = "Kiln-Engine-Status"
 MAX_PAGE = 1000
 """The most entries one page of ``tags/list`` or ``_catalog`` holds; a larger ``n`` is answered with this many
@@ -64,31 +64,6 @@ NAME_MAX = 255
 RANGE_RE = re.compile(r"bytes=(\d{0,20})-(\d{0,20})")  # longer numbers: no range this server serves (ignored)
 
 
-# -- errors ----------------------------------------------------------------------------------------------------
-class OCIError(Exception):
-    """An error answered in the distribution-spec's format."""
-
-    def __init__(self, status: int, code: str, message: str, detail: Any = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.detail, self.headers = status, code, message, detail, headers
-
-    def response(self, method: str) -> Response:
-        body = {"errors": [{"code": self.code, "message": self.message, "detail": self.detail}]}
-        headers = {**API_VERSION_HEADER, **(self.headers or {})}
-        if method == "HEAD":  # a HEAD answer has no body; the status says it
-            return Response(status_code=self.status, headers=headers)
-        return JSONResponse(body, status_code=self.status, headers=headers)
-
-
-def _from_kiln(exc: KilnError) -> OCIError:
-    if isinstance(exc, InvalidDigest):
-        return OCIError(400, "DIGEST_INVALID", exc.message, {"field": exc.field, "fix": exc.fix})
-    if isinstance(exc, BlobUnknown):
-        return OCIError(404, "BLOB_UNKNOWN", exc.message)
-    return OCIError(http_status(exc), "UNKNOWN", exc.message, {"kiln_code": exc.code})
-
-
 class OCIRoute(APIRoute):
     """Answers every error of the /v2 routes in the spec's format and stamps the API version header."""
 
@@ -98,10 +73,8 @@ class OCIRoute(APIRoute):
         async def route(request: Request) -> Response:
             try:
                 response = await handler(request)
-            except OCIError as exc:
-                return exc.response(request.method)
-            except KilnError as exc:
-                return _from_kiln(exc).response(request.method)
+            except e.KilnError as exc:
+                return error_response(exc, request)
             response.headers.update(API_VERSION_HEADER)
             return response
 
@@ -114,15 +87,16 @@ router = APIRouter(prefix="/v2", tags=["oci"], route_class=OCIRoute)
 # -- checks ----------------------------------------------------------------------------------------------------
 def _check_name(name: str) -> str:
     if len(name) > NAME_MAX or not NAME_RE.fullmatch(name):
-        raise OCIError(400, "NAME_INVALID", f"invalid repository name {name!r}",
-                       {"name": name, "rule": f"{NAME_RE.pattern}, at most {NAME_MAX} characters"})
+        raise e.NameInvalid(f"invalid repository name {name!r}", field="name",
+                            detail={"name": name, "rule": f"{NAME_RE.pattern}, at most {NAME_MAX} characters"})
     return name
 
 
 def _check_digest(value: str) -> str:
     if not DIGEST_RE.fullmatch(value):
-        raise OCIError(400, "DIGEST_INVALID", f"{value!r} is not a digest this registry serves",
-                       {"digest": value, "fix": "use the form sha256:<64 lowercase hex digits>"})
+        raise e.InvalidDigest(f"{value!r} is not a digest this registry serves", field="digest",
+                              fix="use the form sha256:<64 lowercase hex digits>",
+                              detail={"digest": value, "fix": "use the form sha256:<64 lowercase hex digits>"})
     return value
 
 
@@ -131,7 +105,7 @@ def _page_size(request: Request) -> int | None:
     if raw is None or raw == "":
         return None
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
-        raise OCIError(400, "UNSUPPORTED", f"n={raw!r} is not a non-negative integer", {"n": raw})
+        raise e.InvalidPageSize(f"n={raw!r} is not a non-negative integer", field="n", detail={"n": raw})
     return min(int(raw), MAX_PAGE)
 
 
@@ -170,17 +144,17 @@ def _repository_known(session: Session, name: str) -> bool:
     return session.scalar(q) is not None
 
 
-def _unknown_name(name: str) -> OCIError:
-    return OCIError(404, "NAME_UNKNOWN", f"repository {name!r} is not known to this registry", {"name": name})
+def _unknown_name(name: str) -> e.NameUnknown:
+    return e.NameUnknown(f"repository {name!r} is not known to this registry", field="name", detail={"name": name})
 
 
-def _rejected(digest: str, subject: str | None = None) -> OCIError:
+def _rejected(digest: str, subject: str | None = None) -> e.ManifestUnknown:
     if subject is None:
         message = f"engine {digest} was rejected (it failed validation) and is never served"
     else:
         message = f"{digest} is attached to engine {subject}, which was rejected (it failed validation): never served"
-    return OCIError(404, "MANIFEST_UNKNOWN", message,
-                    {"digest": digest, "status": "rejected", **({"subject": subject} if subject else {})})
+    return e.ManifestUnknown(message, detail={"digest": digest, "status": "rejected",
+                                              **({"subject": subject} if subject else {})})
 
 
 @dataclass(frozen=True)
@@ -204,27 +178,25 @@ def _manifest_by_digest(session: Session, name: str, digest: str) -> _Found:
         return _Found(digest, None)
     if not _repository_known(session, name):
         raise _unknown_name(name)
-    raise OCIError(404, "MANIFEST_UNKNOWN", f"no manifest {digest} in repository {name!r}",
-                   {"name": name, "digest": digest})
+    raise e.ManifestUnknown(f"no manifest {digest} in repository {name!r}", detail={"name": name, "digest": digest})
 
 
 def _manifest_by_tag(session: Session, name: str, tag_name: str) -> _Found:
     if not TAG_RE.fullmatch(tag_name):
         # no manifest can have this name (distribution-spec error codes only: there is no TAG_INVALID)
-        raise OCIError(404, "MANIFEST_UNKNOWN", f"{tag_name!r} is neither a tag nor a digest",
-                       {"reference": tag_name, "rule": TAG_RE.pattern})
+        raise e.ManifestUnknown(f"{tag_name!r} is neither a tag nor a digest",
+                                detail={"reference": tag_name, "rule": TAG_RE.pattern})
     tag = session.get(Tag, (name, tag_name))
     art = session.get(Artifact, tag.digest) if tag is not None else None
     if art is None or not named_in(session, art, name):
         if not _repository_known(session, name):
             raise _unknown_name(name)
-        raise OCIError(404, "MANIFEST_UNKNOWN", f"no tag {tag_name!r} in repository {name!r}",
-                       {"name": name, "tag": tag_name})
+        raise e.ManifestUnknown(f"no tag {tag_name!r} in repository {name!r}", detail={"name": name, "tag": tag_name})
     if art.status == "rejected":
         raise _rejected(art.digest)
     if art.status == "stale":  # a tag never serves a stale engine (pinned rollbacks pull it by digest)
-        raise OCIError(404, "MANIFEST_UNKNOWN", f"tag {tag_name!r} of {name!r} names no fresh engine",
-                       {"name": name, "tag": tag_name})
+        raise e.ManifestUnknown(f"tag {tag_name!r} of {name!r} names no fresh engine",
+                                detail={"name": name, "tag": tag_name})
     return _Found(art.digest, art.status, art.status_reason)  # a revoked one is DENIED by the caller
 
 
@@ -238,14 +210,14 @@ def _servable_manifests(session: Session, name: str) -> tuple[list[str], dict[st
     q = (select(Referrer.digest).outerjoin(Artifact, Artifact.digest == Referrer.subject)
          .where(or_(Referrer.repository == name, Referrer.subject.in_(named)),
                 or_(Artifact.status.is_(None), Artifact.status != "rejected")))
-    revoked = {e.digest: e.status_reason for e in engines if e.status == "revoked"}
-    return [e.digest for e in engines if e.status != "revoked"] + list(session.scalars(q)), revoked
+    revoked = {a.digest: a.status_reason for a in engines if a.status == "revoked"}
+    return [a.digest for a in engines if a.status != "revoked"] + list(session.scalars(q)), revoked
 
 
-def _revoked(digest: str, reason: str | None) -> OCIError:
-    return OCIError(403, "DENIED", f"engine {digest} was revoked: {reason or 'no reason recorded'}",
-                    {"digest": digest, "status": "revoked", "reason": reason,
-                     "fix": f"pull a fresh engine; an admin may fetch it with ?{REVOKED_QUERY}"})
+def _revoked(digest: str, reason: str | None) -> e.EngineRevoked:
+    fix = f"pull a fresh engine; an admin may fetch it with ?{REVOKED_QUERY}"
+    return e.EngineRevoked(f"engine {digest} was revoked: {reason or 'no reason recorded'}", fix=fix,
+                           detail={"digest": digest, "status": "revoked", "reason": reason, "fix": fix})
 
 
 # -- manifests, cached ------------------------------------------------------------------------------------------
@@ -293,7 +265,7 @@ def _load_manifest(store: BlobStore, digest: str) -> _Manifest:
     except ValueError:
         manifest = None
     if not isinstance(manifest, dict):
-        raise OCIError(500, "UNKNOWN", f"{digest} is indexed as a manifest but is not JSON", {"digest": digest})
+        raise e.ManifestCorrupt(f"{digest} is indexed as a manifest but is not JSON", detail={"digest": digest})
     names = {digest}
     for desc in [manifest.get("config") or {}, *manifest.get("layers", []), *manifest.get("blobs", [])]:
         if isinstance(desc, dict) and isinstance(desc.get("digest"), str):
@@ -357,8 +329,9 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     m = RANGE_RE.fullmatch(header.strip().replace(" ", ""))
     if m is None or (m.group(1) == "" and m.group(2) == ""):
         return None
-    unsatisfiable = OCIError(416, "UNSUPPORTED", f"range {header!r} cannot be satisfied for a blob of {size} bytes",
-                             {"range": header, "size": size}, headers={"Content-Range": f"bytes */{size}"})
+    unsatisfiable = e.RangeNotSatisfiable(f"range {header!r} cannot be satisfied for a blob of {size} bytes",
+                                          field="Range", detail={"range": header, "size": size},
+                                          headers={"Content-Range": f"bytes */{size}"})
     if m.group(1) == "":  # suffix: the last N bytes
         n = int(m.group(2))
         if n == 0 or size == 0:
@@ -386,8 +359,7 @@ def blob(name: str, digest: str, request: Request) -> Response:
         # only a revoked engine names it (its manifest, config or a layer): refused as that manifest is
         withdrawn = next((m for m in revoked if digest in MANIFESTS.get(store, m).names), None)
         if withdrawn is None:
-            raise OCIError(404, "BLOB_UNKNOWN", f"no blob {digest} in repository {name!r}",
-                           {"name": name, "digest": digest})
+            raise e.BlobUnknown(f"no blob {digest} in repository {name!r}", detail={"name": name, "digest": digest})
         if not _admin_asks_for_revoked(request):
             raise _revoked(withdrawn, revoked[withdrawn])
     size = store.stat(digest).size
@@ -456,9 +428,9 @@ def referrers(name: str, digest: str, request: Request) -> Response:
 def unsupported(rest: str, request: Request) -> Response:
     """Pushes, deletes and unknown /v2 paths: this registry is read-only."""
     if request.method in ("GET", "HEAD"):
-        raise OCIError(404, "UNSUPPORTED", f"/v2/{rest} is not an endpoint of this registry",
-                       {"served": ["/v2/", "/v2/_catalog", "/v2/<name>/manifests/<reference>",
-                                   "/v2/<name>/blobs/<digest>", "/v2/<name>/tags/list",
-                                   "/v2/<name>/referrers/<digest>"]})
-    raise OCIError(405, "UNSUPPORTED", f"{request.method} is not supported: this registry is read-only (no push)",
-                   {"method": request.method}, headers={"Allow": "GET, HEAD"})
+        raise e.EndpointUnknown(f"/v2/{rest} is not an endpoint of this registry",
+                                detail={"served": ["/v2/", "/v2/_catalog", "/v2/<name>/manifests/<reference>",
+                                                   "/v2/<name>/blobs/<digest>", "/v2/<name>/tags/list",
+                                                   "/v2/<name>/referrers/<digest>"]})
+    raise e.MethodNotAllowed(f"{request.method} is not supported: this registry is read-only (no push)",
+                             detail={"method": request.method}, headers={"Allow": "GET, HEAD"})
