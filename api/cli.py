@@ -320,22 +320,18 @@ def artifacts_list(as_json: bool) -> None:
 
 
 def _find_artifact(sessions, ref: str):
-    from kiln.digests import parse_digest
-    from kiln.errors import ArtifactUnknown
-    from kiln.models import Artifact
+    """The engine ``ref`` names: a digest, a unique prefix of one, or repository:tag (workers/references.py)."""
+    from workers.references import find_engine
 
-    digest = parse_digest(ref.rsplit("@", 1)[-1], field="digest")
     with sessions() as s:
-        row = s.get(Artifact, digest)
-    if row is None:
-        raise ArtifactUnknown(f"no engine {digest} in this registry", field="digest", fix="see kiln artifacts list")
-    return row
+        return find_engine(s, ref)
 
 
 @artifacts.command("show")
 @click.argument("digest")
 def artifacts_show(digest: str) -> None:
-    """One engine's index row as JSON (provenance, validation, status), by [model@]sha256:… digest."""
+    """One engine's index row as JSON (provenance, validation, status), by [model@]sha256:… digest, a unique
+    digest prefix (8+ hex digits) or repository:tag."""
     _, _, sessions = _context()
     row = _find_artifact(sessions, digest)
     click.echo(json.dumps({**row.summary(), "provenance": row.provenance, "validation": row.validation}, indent=2))
@@ -349,7 +345,7 @@ def artifacts_show(digest: str) -> None:
 @click.option("--verify-key", help="public key (PEM file): write nothing unless the engine's files and signed "
                                    "provenance verify with it")
 def pull(ref: str, dest: Path, server: str | None, as_json: bool, verify_key: str | None) -> None:
-    """Pull engine REF ([model@]sha256:...) into DEST, verifying every blob against its digest; its signature
+    """Pull engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag) into DEST, verifying every blob against its digest; its signature
     is written beside the files as DEST/model.sig (model_signing verify key checks it offline)."""
     from builder.verify import keys_from
 

@@ -84,7 +84,8 @@ def local_document(sessions) -> Callable[[str], tuple[dict, str | None]]:
               help="json (machines; the report attached to the image), html (people), junit (CI test results)")
 @click.option("-o", "--output", default="-", show_default=True, help="file to write; - for stdout")
 def report(digest: str, fmt: str, output: str) -> None:
-    """Print or write the validation report of engine DIGEST ([model@]sha256:...). Exits 0 whatever the verdict
+    """Print or write the validation report of engine DIGEST ([model@]sha256:..., a unique digest prefix of 8+ hex
+    digits, or repository:tag). Exits 0 whatever the verdict
     (the verdict is in the report; `kiln build` is what fails a pipeline)."""
     from validation.report import document_for_row, render
 

@@ -19,7 +19,8 @@ from kiln.errors import DigestMismatch, SignatureInvalid, SpecError, UnsafeLayer
                             "(KILN_SIGNING_KEY's and KILN_TRUSTED_KEYS)")
 @click.option("--server", help="verify an engine of a remote Kiln (http://host:8000); needs --key")
 def verify(ref: str, key: str | None, server: str | None) -> None:
-    """Verify engine REF ([model@]sha256:...): manifest digest, files against their signature, signed provenance
+    """Verify engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag; with --server a
+    [model@]digest): manifest digest, files against their signature, signed provenance
     and its subject. Exit 0 verified, 1 not verified (the reason on stderr), 2 bad input."""
     from builder.verify import keys_from
 

@@ -88,3 +88,19 @@ def test_report_to_a_file_and_pull_json(home, tmp_path):
                          "--public_key", str(tmp_path / "kiln.pub"), str(dest)], capture_output=True, text=True,
                         timeout=120)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_every_command_that_takes_an_engine_takes_a_prefix_or_a_tag(home, tmp_path):
+    path, digest = home
+    prefix, tag = digest.split(":")[1][:10], "acme/tiny:fp8-sm90-balanced-checkpoint"
+    for ref in (prefix, tag):
+        shown = kiln(path, "artifacts", "show", ref)
+        assert shown.returncode == 0 and json.loads(shown.stdout)["digest"] == digest, shown.stderr
+        rep = kiln(path, "report", ref)
+        assert rep.returncode == 0 and json.loads(rep.stdout)["digest"] == digest, rep.stderr
+        ver = kiln(path, "verify", ref)
+        assert ver.returncode == 0 and digest in ver.stdout, ver.stderr
+    proc = kiln(path, "pull", prefix, str(tmp_path / "p"), "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["digest"] == digest, proc.stderr
+    missing = kiln(path, "report", "acme/tiny:nvfp4-sm90-latency")
+    assert missing.returncode == 2 and "no tag" in missing.stderr and len(missing.stderr.splitlines()) == 1
