@@ -12,6 +12,7 @@ import click
 import kiln
 
 from api.errors import exit_code
+from api.output import error_line, json_line
 from api.progress import Progress
 from kiln.backends import DEFAULT_BACKEND
 from kiln.errors import KilnError, SpecError
@@ -23,10 +24,13 @@ class KilnGroup(click.Group):
     """Turns domain errors into one line on stderr and the exit code from api/errors.py."""
 
     def invoke(self, ctx):
+        wants_json = "--json" in [*getattr(ctx, "_protected_args", []), *ctx.args]
         try:
             return super().invoke(ctx)
         except KilnError as exc:
             click.echo(f"kiln: error: {exc}", err=True)
+            if wants_json:
+                error_line(exc.to_dict(), exit_code(exc))
             sys.exit(exit_code(exc))
         except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
             raise
@@ -35,8 +39,10 @@ class KilnGroup(click.Group):
 
             if os.environ.get("KILN_DEBUG"):
                 raise
-            click.echo(f"kiln: internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                       err=True)
+            message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            click.echo(f"kiln: internal error: {message}", err=True)
+            if wants_json:
+                error_line({"code": "internal_error", "message": message}, 3)
             sys.exit(3)
 
 
@@ -129,7 +135,7 @@ def _print_summary(out: dict) -> None:
     m = v.get("metrics") or {}
     verdict = "PASSED" if v.get("passed") else "FAILED"
     if out["cache_hit"]:
-        click.echo("identical build found: no stage ran (cache hit)")
+        click.echo("identical build found: answered from the registry, only resolve ran (cache hit)")
     if out.get("status") in ("cancelled",) or (out.get("error") and not m):
         click.echo(f"build {out['status']}: {(out.get('error') or {}).get('message', out.get('reason'))}")
     if m:
@@ -223,6 +229,8 @@ def _print_recipe(recipe: dict) -> None:
 @click.option("--override-reason", help="why gates are looser than the defaults, the evaluation shorter, or the "
               "regression gate changed (required for any of them; recorded)")
 @click.option("--dry-run", is_flag=True, help="print the plan (keys, cache state, exact commands) and do no work")
+@click.option("--force", is_flag=True, help="build anew even when an identical engine exists (every stage after "
+              "resolve runs; both engines are kept, the tag moves to the new one)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
 @click.option("--server", help="submit to a remote Kiln (http://host:8000) instead of building here")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="with --server: follow the build to its end")
@@ -232,10 +240,10 @@ def _print_recipe(recipe: dict) -> None:
               help="also write the validation report as JUnit XML to this file (CI test results)")
 @click.option("--report-html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
               help="also write the validation report as HTML to this file")
-def build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, timeout: float | None,
-          junit_path: Path | None, html_path: Path | None, **options) -> None:
+def build(checkpoint: str, dry_run: bool, force: bool, as_json: bool, server: str | None, wait: bool,
+          timeout: float | None, junit_path: Path | None, html_path: Path | None, **options) -> None:
     """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://)."""
-    reports: dict = {"junit": junit_path, "html": html_path, "timeout": timeout}
+    reports: dict = {"junit": junit_path, "html": html_path, "timeout": timeout, "force": force}
     try:
         _build(checkpoint, dry_run, as_json, server, wait, reports, options)
     except KilnError as exc:
@@ -258,6 +266,9 @@ def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wa
     if reports["timeout"] is not None and not (server and wait):
         raise SpecError("--timeout limits a wait on a remote build", field="timeout",
                         fix="use it with --server (and without --no-wait), or drop it")
+    if reports["force"] and (server or dry_run):
+        raise SpecError("--force rebuilds here", field="force",
+                        fix="drop --force (a remote Kiln answers identical requests from its registry), or --dry-run")
     if server:
         from api.cli_report import write_build_reports
         from api.remote import exit_for, fetch_report_document, remote_build
@@ -282,9 +293,13 @@ def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wa
         return
     click.echo(f"building {spec.model_name} {spec.precision} {spec.batch_profile.name} for {spec.target} "
                f"with {spec.backend}", err=True)
-    out = builder.build(spec).to_dict()
+    out = builder.build(spec, force=reports["force"]).to_dict()
+    if out["cache_hit"] and not as_json:
+        click.echo(f"cache hit: an identical engine is already in KILN_HOME {settings.home} (built "
+                   f"{(out.get('artifact') or {}).get('created_at', 'earlier')}); only resolve ran — "
+                   "--force builds anew", err=True)
     if as_json:
-        click.echo(json.dumps(out, sort_keys=True))
+        json_line(out)
     else:
         _print_summary(out)
     if junit_path or html_path:

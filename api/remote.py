@@ -3,7 +3,6 @@ build (stage lines while it runs, the verdict and digest at the end, one JSON ob
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -12,6 +11,7 @@ import httpx
 from httpx_sse import SSEError, connect_sse
 
 from api.errors import TABLE
+from api.output import json_line
 from kiln import errors as e
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -158,7 +158,7 @@ def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress
             if final.status_code != 200:
                 raise _fail(final)
             out = _outcome(client, {**final.json(), "cache_hit": build.get("cache_hit", False)})
-    click.echo(json.dumps(out, sort_keys=True)) if as_json else summary(out)
+    json_line(out) if as_json else summary(out)
     return out
 
 

@@ -7,6 +7,7 @@ build (builder/leases.py)."""
 from __future__ import annotations
 
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -118,10 +119,12 @@ class Builder:
         self.should_cancel = should_cancel or (lambda: False)
 
     # -- planning --------------------------------------------------------------------------------
-    def prepare(self, spec: BuildSpec, *, check_environment: bool = True,
-                identified: dict | None = None) -> tuple[Prepared, StageRecord]:
+    def prepare(self, spec: BuildSpec, *, check_environment: bool = True, identified: dict | None = None,
+                rebuild: str | None = None) -> tuple[Prepared, StageRecord]:
         """Keys and checks, before any work. ``identified``: checkpoint identities already taken in this request
-        (ref → identity), so that a matrix identifies each checkpoint once, not once per entry."""
+        (ref → identity), so that a matrix identifies each checkpoint once, not once per entry. ``rebuild``: a
+        forced rebuild's nonce, in the quantize key and the BuildKey's data (the reference is still reused: it does
+        not depend on the engine)."""
         if check_environment:  # fail at once on the wrong machine, before any work
             get_backend(spec.backend).check_environment(spec)
         self.on_event("stage", {"name": "resolve", "state": "started"})
@@ -144,8 +147,10 @@ class Builder:
         tasks = evaluation_tasks(spec, roots)
         if tasks:
             data["tasks"] = list(tasks)
+        if rebuild:
+            data["rebuild"] = rebuild
         first = spec.with_recipe(spec.rungs[0])
-        qkey = quantize_key(resolved.digest, first, toolchain, calib_digest)
+        qkey = quantize_key(resolved.digest, first, toolchain, calib_digest, rebuild)
         prepared = Prepared(spec, resolved, config, toolchain, gates, calib_text, eval_text, data, qkey,
                             compile_key(qkey, first, toolchain), build_key(resolved.digest, spec, toolchain, gates, data),
                             request_key(resolved.digest, spec, gates, data), first, tasks)
@@ -178,15 +183,17 @@ class Builder:
         }
 
     # -- running ---------------------------------------------------------------------------------
-    def build(self, spec: BuildSpec) -> BuildOutcome:
+    def build(self, spec: BuildSpec, *, force: bool = False) -> BuildOutcome:
+        """Build ``spec``, or answer it with the engine its BuildKey already has; ``force``: build anew (every stage
+        after resolve) and keep both engines."""
         try:
-            return self._build(spec)
+            return self._build(spec, rebuild=uuid.uuid4().hex if force else None)
         finally:  # the stage outputs it held may be evicted now; its blob leases run out after the grace period
             self.stage_cache.release()
             self.leases.release()
 
-    def _build(self, spec: BuildSpec) -> BuildOutcome:
-        p, resolve_rec = self.prepare(spec)
+    def _build(self, spec: BuildSpec, rebuild: str | None) -> BuildOutcome:
+        p, resolve_rec = self.prepare(spec, rebuild=rebuild)
         stages = [resolve_rec]
         existing = self._existing(p.build_key)
         if existing is not None:
@@ -254,7 +261,7 @@ class Builder:
 
             def quantize(rung: BuildSpec):
                 self._check_cancel()
-                key = quantize_key(p.resolved.digest, rung, p.toolchain, p.data["calibration"])
+                key = quantize_key(p.resolved.digest, rung, p.toolchain, p.data["calibration"], p.data.get("rebuild"))
                 t0 = time.perf_counter()
                 qdir, _ = self.stage_cache.get("quantize", key, lambda out: quantize_stage.quantize(
                     p.resolved.local_dir, rung, p.calib_text, out))

@@ -5,7 +5,8 @@
   calibration.
 - ``compile_key``: quantize_key × profile × target × backend × tensor-parallel size × compiler toolchain.
 - ``build_key`` (the BuildKey): compile_key × evaluation data × effective gates × recipe version; equal key ⇒
-  the existing artifact answers, no stage runs.
+  the existing artifact answers, no stage runs. A forced rebuild (``kiln build --force``) puts a nonce in the
+  quantize key and in the BuildKey's data, so every stage after resolve runs again and both engines are kept.
 
 A checkpoint enters only through its content digest, never a path or a branch name.
 """
@@ -32,8 +33,11 @@ from kiln.spec import BuildSpec
 RECIPE_VERSION = "kiln-recipe-6"
 
 
-def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str) -> str:
+def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str,
+                 rebuild: str | None = None) -> str:
+    """``rebuild``: a forced rebuild's nonce (``kiln build --force``): a new key, so nothing cached answers it."""
     return sha256_json({
+        **({"rebuild": rebuild} if rebuild else {}),
         "stage": "quantize", "kiln_recipe": RECIPE_VERSION, "checkpoint": checkpoint_digest,
         "precision": spec.precision, "recipe": spec.recipe_name, "unquantized_layers": list(spec.unquantized_layers),
         "kv_cache": spec.kv_cache,

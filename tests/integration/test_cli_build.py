@@ -97,6 +97,27 @@ class TestTheQuickStartBuild:
         assert "min_top1_agreement" in failed and set(failed) <= {"min_top1_agreement", "max_throughput_drop_pct"}, failed
         assert "failed validation" in proc.stderr
 
+    def test_a_cache_hit_says_where_the_engine_is_and_force_builds_anew_keeping_both(self, home, fp8):
+        hit = kiln("build", "examples/tiny-llama", "--backend", "checkpoint", home=home, check=True)
+        assert f"cache hit: an identical engine is already in KILN_HOME {home}" in hit.stderr
+        assert "only resolve ran" in hit.stderr and "--force" in hit.stderr
+        before = last_json(kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--json", home=home,
+                                check=True))
+        forced = last_json(kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--force", "--json",
+                                home=home, check=True))
+        assert forced["cache_hit"] is False and forced["status"] == "succeeded"
+        assert {k: v for k, v in stages(forced).items() if k != "resolve"} == {
+            "quantize": "ran", "compile": "ran", "validate": "ran", "publish": "ran"}
+        assert forced["digest"] != before["digest"] and forced["build_key"] != before["build_key"]
+        assert forced["validation"]["reference"]["reused"] is True  # the reference does not depend on the engine
+        listed = {r["digest"]: r for r in json.loads(kiln("artifacts", "list", "--json", home=home, check=True).stdout)}
+        assert listed[before["digest"]]["status"] == "fresh" and listed[forced["digest"]]["status"] == "fresh"
+        art = forced["artifact"]
+        shown = json.loads(kiln("artifacts", "show", f"{art['repository']}:{art['tag']}", home=home, check=True).stdout)
+        assert shown["digest"] == forced["digest"]  # the tag moved to the new engine
+        refused = kiln("build", "examples/tiny-llama", "--force", "--server", "http://127.0.0.1:9", home=home)
+        assert refused.returncode == 2 and "force" in refused.stderr
+
     def test_the_quick_start_engine_is_signed_and_verifies_offline(self, home, fp8, tmp_path):
         """The embedded defaults sign with a key generated under KILN_HOME; the pulled engine verifies with the real
         model_signing CLI and the public key alone."""

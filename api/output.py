@@ -1,0 +1,24 @@
+"""Machine output of the CLI: with ``--json`` a command prints one JSON object as the last line of stdout — its
+result, or, when it fails before printing one, its error (``{"error": {code, message, field, fix}, "exit": N}``) —
+so a script reading stdout always gets a line to parse. The error's line on stderr is printed either way."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+_printed = {"result": False}
+
+
+def json_line(obj) -> None:
+    """Print a command's JSON result (and remember that one was printed)."""
+    click.echo(json.dumps(obj, sort_keys=True))
+    _printed["result"] = True
+
+
+def error_line(error: dict, exit_code: int) -> None:
+    """Print the error as the JSON line, unless a result was printed already (a build that printed its rejected
+    engine and then exits 1 has said what it has to say)."""
+    if not _printed["result"]:
+        click.echo(json.dumps({"error": error, "exit": exit_code}, sort_keys=True))
