@@ -34,6 +34,16 @@ class KilnGroup(click.Group):
             sys.exit(exit_code(exc))
         except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
             raise
+        except ModuleNotFoundError as exc:  # the kiln-client install (client/) lacks what builds and serves
+            from kiln.install import COMMAND_FIX, client_refusal, is_client
+
+            if not is_client():
+                raise
+            command = ctx.invoked_subcommand or "this command"
+            refusal = client_refusal(f"kiln {command}", missing=(exc.name or "").split(".")[0] or None,
+                                     fix=COMMAND_FIX)
+            click.echo(f"kiln: error: {refusal}", err=True)
+            sys.exit(exit_code(refusal))
         except Exception as exc:  # a bug or an environment failure: one line, exit 3 (KILN_DEBUG=1 for the trace)
             import os
 
@@ -257,11 +267,6 @@ def build(checkpoint: str, dry_run: bool, force: bool, as_json: bool, server: st
 
 def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, reports: dict,
            options: dict) -> None:
-    from builder.pipeline import Builder
-    from kiln.errors import ValidationFailed
-    from kiln.settings import get_settings
-    from kiln.spec import parse_spec
-
     junit_path, html_path = reports["junit"], reports["html"]
     if reports["timeout"] is not None and not (server and wait):
         raise SpecError("--timeout limits a wait on a remote build", field="timeout",
@@ -284,6 +289,15 @@ def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wa
         if wait and (err := exit_for(out)) is not None:
             raise err
         return
+    from kiln.install import client_refusal, is_client
+
+    if is_client():  # one line, exit 3: nothing here can quantize or compile
+        raise client_refusal("a local build" if not dry_run else "a local build plan")
+    from builder.pipeline import Builder
+    from kiln.errors import ValidationFailed
+    from kiln.settings import get_settings
+    from kiln.spec import parse_spec
+
     spec = parse_spec(spec_from_options(checkpoint, options), get_settings().roots)  # before any work
     settings, store, sessions = _context()
     builder = Builder(settings, store, sessions, on_event=Progress(quiet=False))

@@ -83,19 +83,29 @@ def local_document(sessions) -> Callable[[str], tuple[dict, str | None]]:
 @click.option("--format", "fmt", type=click.Choice(["json", "html", "junit"]), default="json", show_default=True,
               help="json (machines; the report attached to the image), html (people), junit (CI test results)")
 @click.option("-o", "--output", default="-", show_default=True, help="file to write; - for stdout")
-def report(digest: str, fmt: str, output: str) -> None:
+@click.option("--server", help="the report of an engine on a remote Kiln (http://host:8000) instead of the local index")
+def report(digest: str, fmt: str, output: str, server: str | None) -> None:
     """Print or write the validation report of engine DIGEST ([model@]sha256:..., a unique digest prefix of 8+ hex
-    digits, or repository:tag). Exits 0 whatever the verdict
+    digits, or repository:tag; with --server a [model@]digest). Exits 0 whatever the verdict
     (the verdict is in the report; `kiln build` is what fails a pipeline)."""
-    from validation.report import document_for_row, render
+    from kiln.digests import parse_digest
+    from validation.report import render
 
-    _, _, sessions = _context()
-    row = _find_artifact(sessions, digest)
-    text = render(document_for_row(row), fmt, status=row.status)
+    if server:
+        from api.remote import fetch_report_document
+
+        doc, status = fetch_report_document(server, parse_digest(digest.rsplit("@", 1)[-1], field="digest"))
+    else:
+        from validation.report import document_for_row
+
+        _, _, sessions = _context()
+        row = _find_artifact(sessions, digest)
+        doc, status = document_for_row(row), row.status
+    text = render(doc, fmt, status=status)
     if output == "-":
         click.echo(text, nl=False)
         return
     path = Path(output)
     write_atomic(path, text)
-    click.echo(f"wrote the {fmt} report of {row.digest} ({'PASS' if (row.validation or {}).get('passed') else 'FAIL'}) "
-               f"to {path}", err=True)
+    click.echo(f"wrote the {fmt} report of {doc['digest']} ({'PASS' if doc.get('passed') else 'FAIL'}) to {path}",
+               err=True)

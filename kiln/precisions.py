@@ -20,9 +20,10 @@ Formats, as ModelOpt 0.47 exports them (checked on CPU, docs/validation.md "Reci
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is computed: the kiln-client install has none (client/)
+    import torch
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NVFP4_GROUP = 16
@@ -32,6 +33,8 @@ FP8_MAX = 448.0
 # -- FP8 ---------------------------------------------------------------------------------------------
 def dequantize_fp8(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor | None:
     """Per tensor (a scalar scale) or per output channel (``[out_features]``): each row times its scale."""
+    import torch
+
     w = raw[f"{module}.weight"]
     if w.dtype != torch.float8_e4m3fn:
         return None
@@ -46,6 +49,8 @@ def fake_quant_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def _fp8_qdq(y: torch.Tensor, scale) -> torch.Tensor:
     """float32 ``y`` through e4m3 at ``scale`` (a number, or a tensor broadcasting over ``y``) and back."""
+    import torch
+
     return (y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale
 
 
@@ -64,12 +69,16 @@ def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
 # -- NVFP4 -------------------------------------------------------------------------------------------
 def e2m1_table() -> torch.Tensor:
     """Lookup for a 4-bit code: bit 3 is the sign, bits 0–2 index E2M1_VALUES."""
+    import torch
+
     mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     return torch.cat([mags, -mags])
 
 
 def unpack_nvfp4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n/2] → float32 e2m1 values [..., n]; the low nibble is the first element."""
+    import torch
+
     table = e2m1_table()
     low = table[(packed & 0x0F).long()]
     high = table[(packed >> 4).long()]
@@ -85,6 +94,8 @@ def dequantize_nvfp4_tensor(packed: torch.Tensor, block_scale: torch.Tensor, glo
 
 
 def dequantize_nvfp4(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor | None:
+    import torch
+
     w = raw[f"{module}.weight"]
     if w.dtype != torch.uint8:
         return None
@@ -93,6 +104,8 @@ def dequantize_nvfp4(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor 
 
 def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Round |v| ≤ 6 to the e2m1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (steps .5 below 2, 1 below 4, 2 above)."""
+    import torch
+
     a = v.abs().clamp(max=6.0)
     q = torch.where(a < 2.0, torch.round(a * 2.0) / 2.0, torch.where(a < 4.0, torch.round(a), torch.round(a / 2.0) * 2.0))
     return q * torch.sign(v)
@@ -101,6 +114,8 @@ def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
 def fake_quant_nvfp4(x: torch.Tensor, global_scale: float) -> torch.Tensor:
     """Quantize-dequantize with per-16 block scales (FP8) under a global scale, in float32 (as
     :func:`fake_quant_fp8`), returned in ``x``'s dtype."""
+    import torch
+
     if x.dtype != torch.float32:
         return fake_quant_nvfp4(x.float(), global_scale).to(x.dtype)
     shape = x.shape

@@ -144,6 +144,84 @@ def test_gitlab_script_records_the_digest_file_and_fails_with_kilns_exit_code(tm
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(script[1:])], cwd=work, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert (work / "kiln-reports" / "kiln.env").read_text() == "KILN_DIGEST=\n"
+    assert (work / "kiln-reports" / "kiln.env").read_text() == "KILN_DIGEST_FP8_H100_THROUGHPUT=\n"
     assert "<error" in (work / "kiln-reports" / "junit.xml").read_text()
     assert "exit 3 digest none" in proc.stdout
+
+
+def test_templates_install_the_client_with_a_pip_cache_on_images_that_can():
+    """The kiln-client distribution (no torch), pip's cache kept; GitLab's image has git for a git+https install."""
+    steps = load(GITHUB)["jobs"]["build"]["steps"]
+    setup = next(s for s in steps if str(s.get("uses", "")).startswith("actions/setup-python"))
+    assert setup["with"]["cache"] == "pip" and setup["with"]["cache-dependency-path"] == "kiln-client-requirements.txt"
+    assert any("pip install -r kiln-client-requirements.txt" in s.get("run", "") for s in steps)
+    gitlab = load(GITLAB)
+    job = gitlab[".kiln-build"]
+    image = job["image"].replace("$KILN_PYTHON_IMAGE", gitlab["variables"]["KILN_PYTHON_IMAGE"])
+    assert image.startswith("python:") and "slim" not in image and "alpine" not in image
+    assert job["variables"]["PIP_CACHE_DIR"] == "$CI_PROJECT_DIR/.cache/pip" and job["cache"]["paths"] == [".cache/pip"]
+    for path in (GITHUB, GITLAB):  # the usage examples name the client distribution, never the CI commit as revision
+        text = path.read_text()
+        assert "subdirectory=client" in text and "kiln-client @" in text
+        assert "@${{ github.sha }}" not in text and "@$CI_COMMIT_SHA" not in text
+
+
+def run_github_step(tmp_path, **env_overrides) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The GitHub build step with a `kiln` that records its arguments and exits 1 (a rejected engine)."""
+    shim = tmp_path / "bin" / "kiln"
+    shim.parent.mkdir(exist_ok=True)
+    shim.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {shlex.quote(str(tmp_path / 'argv'))}\n"
+                    "echo '{\"digest\": \"sha256:" + "b" * 64 + "\", \"status\": \"failed\"}'\nexit 1\n")
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    out, summary = tmp_path / "output", tmp_path / "summary"
+    env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
+           "GITHUB_OUTPUT": str(out), "GITHUB_STEP_SUMMARY": str(summary), "KILN_URL": "http://127.0.0.1:9",
+           "KILN_TOKEN": "", "CHECKPOINT": "hf://acme/tiny", "REVISION": "c" * 40, "MODEL_NAME": "",
+           "PRECISION": "nvfp4", "TARGET": "b200", "PROFILE": "latency", "BACKEND": "checkpoint", "KV_CACHE": "none",
+           "ENTRY": "nvfp4-b200", **env_overrides}
+    proc = subprocess.run(["bash", "-e", "-c", github_build_step()["run"]], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=60)
+    return proc, work, summary
+
+
+def test_github_step_builds_the_models_revision_and_fails_on_a_rejected_engine(tmp_path):
+    proc, work, summary = run_github_step(tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the job fails: the engine was rejected
+    argv = (tmp_path / "argv").read_text().splitlines()
+    assert argv[:2] == ["build", "hf://acme/tiny@" + "c" * 40]
+    assert "FAILED validation" in summary.read_text() and "::error title=kiln nvfp4-b200::" in proc.stdout
+    assert (work / "kiln-reports" / "digest.json").read_text().strip() == '{"nvfp4-b200": "sha256:' + "b" * 64 + '"}'
+
+
+def test_github_step_refuses_two_revisions(tmp_path):
+    proc, _, _ = run_github_step(tmp_path, CHECKPOINT="hf://acme/tiny@main")
+    assert proc.returncode == 2 and "already names a revision" in proc.stdout
+    assert not (tmp_path / "argv").exists()
+
+
+def test_gitlab_entries_write_their_digests_under_their_own_names(tmp_path):
+    script = load(GITLAB)[".kiln-build"]["script"]
+    shim = tmp_path / "bin" / "kiln"
+    shim.parent.mkdir()
+    shim.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {shlex.quote(str(tmp_path / 'argv'))}\n"
+                    "echo '{\"digest\": \"sha256:" + "d" * 64 + "\"}'\n")
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    variables = {k: str(v) for k, v in load(GITLAB)["variables"].items()}
+    names = set()
+    for target, backend in (("h100", ""), ("l40s", ""), ("h100", "trtllm-engine")):
+        work = tmp_path / f"work-{target}-{backend}"
+        work.mkdir()
+        env = {**os.environ, **variables, "PATH": f"{shim.parent}{os.pathsep}{BIN}{os.pathsep}{os.environ['PATH']}",
+               "KILN_URL": "http://127.0.0.1:9", "KILN_CHECKPOINT": "hf://acme/tiny", "KILN_REVISION": "v1.0",
+               "KILN_TARGET": target, "KILN_BACKEND": backend}
+        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(script[1:])], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert (tmp_path / "argv").read_text().splitlines()[1] == "hf://acme/tiny@v1.0"
+        name, value = (work / "kiln-reports" / "kiln.env").read_text().strip().split("=", 1)
+        assert value == "sha256:" + "d" * 64
+        names.add(name)
+    assert names == {"KILN_DIGEST_FP8_H100_THROUGHPUT", "KILN_DIGEST_FP8_L40S_THROUGHPUT",
+                     "KILN_DIGEST_FP8_H100_THROUGHPUT_TRTLLM_ENGINE"}
