@@ -15,12 +15,14 @@ request has several problems)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from typing import TYPE_CHECKING
 
 from kiln import errors as e
+
+if TYPE_CHECKING:  # the CLI reads the table without the web framework (the kiln-client install has none)
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import Response
 
 #: The distribution-spec's error codes (v1.1, "Error Codes"); the only OCI codes a row may name.
 OCI_CODES = frozenset({"BLOB_UNKNOWN", "BLOB_UPLOAD_INVALID", "BLOB_UPLOAD_UNKNOWN", "DIGEST_INVALID",
@@ -120,6 +122,8 @@ def oci_detail(exc: e.KilnError):
 def error_response(exc: e.KilnError, request: Request | None = None) -> Response:
     """The answer to ``exc``: status and headers from its row; under /v2 the distribution-spec body with the row's
     OCI code (no body for ``HEAD``: the status says it), elsewhere ``{"error": exc.to_dict()}``."""
+    from starlette.responses import JSONResponse, Response
+
     r = row(exc)
     headers = {**dict(r.headers), **exc.headers}
     if request is not None and request.scope.get("path", "").startswith(OCI_PREFIX):
