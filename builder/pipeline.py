@@ -36,7 +36,7 @@ from kiln.settings import Settings
 from kiln.spec import BuildSpec, check_model
 from kiln.toolchain import lm_eval_version, toolchain_for
 from validation.gates import effective_gates
-from validation.runners import open_engine, open_reference
+from validation.runners import open_engine, open_reference, reference_dtype
 from validation.reference import Reference, compute_reference, layout as reference_layout
 from validation.validate import eval_tokens, judge_naming, previous_engine, validate
 
@@ -290,9 +290,10 @@ class Builder:
         with this evaluation, on any worker), else computed and stored."""
         spec = p.first
         toolchain = {**p.toolchain, "lm_eval": lm_eval_version() if p.tasks else None}
-        key = reference_key(p.resolved.digest, spec, toolchain, p.data, reference_layout(spec))
+        dtype = reference_dtype(p.model_config)  # this worker's CPU computes it: its bf16 units decide
+        key = reference_key(p.resolved.digest, spec, toolchain, p.data, reference_layout(spec, dtype))
         folder, produced = self.stage_cache.get("reference", key, lambda out: compute_reference(
-            open_reference(p.resolved.local_dir), p.resolved.local_dir, p.eval_text, spec, p.tasks).save(out))
+            open_reference(p.resolved.local_dir, dtype), p.resolved.local_dir, p.eval_text, spec, p.tasks).save(out))
         reference = Reference.load(folder, p.resolved.local_dir)
         return reference, {"key": key, "reused": produced is None, "seconds_to_compute": reference.seconds}
 

@@ -75,7 +75,7 @@ def reference_windows(reference, token_ids: torch.Tensor, seq_len: int, batch: i
     hidden = []
     for i in range(0, len(w), batch):
         report("reference window", min(i + batch, len(w)), len(w))
-        hidden.append(reference.hidden_and_logits(w[i : i + batch, :-1])[0])
+        hidden.append(reference.hidden(w[i : i + batch, :-1]))
     return ReferenceWindows(seq_len, torch.cat(hidden).numpy(), reference.head())
 
 
@@ -115,7 +115,7 @@ def accuracy(engine, reference, token_ids: torch.Tensor, seq_len: int, batch: in
     judged = {g: t for g, t in (gates or {}).items() if g in GATE_METRIC}
     order = stats.fixed_order(len(w))
     planned = plan_looks(len(w), batch) if judged and sequential else [len(w)]
-    confidence = stats.look_confidence(len(planned))
+    confidence = stats.look_confidence(planned)
     sums = {"nll_engine": [], "nll_reference": [], "kl": [], "agree": []}
     done, decisions, intervals = 0, {}, {}
     for look in planned:

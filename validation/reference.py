@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from kiln.spec import BuildSpec
 from validation.accuracy import ReferenceWindows, reference_windows
 from validation.runners import LogitsHead
@@ -47,10 +49,12 @@ class Reference:
                    json.loads((folder / "tasks.json").read_text()), meta["seconds"])
 
 
-def layout(spec: BuildSpec, eval_text_tokens: int | None = None) -> dict:
-    """The evaluation's shape, which the reference's results depend on (part of the reference key)."""
+def layout(spec: BuildSpec, dtype: torch.dtype = torch.float32) -> dict:
+    """The evaluation's shape and what the reference computes in (validation/runners.reference_dtype), which its
+    results depend on (part of the reference key)."""
     seq = min(spec.evaluation.seq_len, spec.batch_profile.max_seq_len)
-    out = {"seq_len": seq, "max_tokens": spec.evaluation.max_tokens, "kept": "final hidden states, float32"}
+    out = {"seq_len": seq, "max_tokens": spec.evaluation.max_tokens, "kept": "final hidden states, float32",
+           "computed_in": str(dtype).removeprefix("torch.")}
     if spec.evaluation.tasks:
         out["task_max_len"] = task_limits(spec)[1]
     return out

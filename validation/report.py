@@ -139,7 +139,7 @@ def _decision(g: dict) -> str:
 
 
 def _interval(g: dict) -> str:
-    """``[low, high] (99.3 %)``: the interval the gate was decided on, at its confidence."""
+    """``[low, high] (98.7 %)``: the interval the gate was decided on, at its confidence."""
     iv = g.get("interval")
     if not iv:
         return "—"

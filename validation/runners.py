@@ -4,7 +4,8 @@
 - ``checkpoint``: the exported unified HF checkpoint as its consumers load it — transformers' implementation of
   its family, weights dequantized from its own tensors, activation quantization emulated from its scales
   (kiln/hfmodel.py; ModelOpt's NVFP4 forward needs CUDA, the exported tensors do not).
-- reference: the unquantized checkpoint through transformers, in float32.
+- reference: the unquantized checkpoint through transformers, in float32 (bfloat16 for a bfloat16 checkpoint on a
+  CPU with native bf16 units: ``reference_dtype``).
 Which runner a backend's artifacts load with is its descriptor's (kiln/backends.py).
 - ``trtllm-engine``: the TensorRT-LLM runtime (the LLM API over the engine dir) and ``trtllm-bench``; GPU workers only.
 """
@@ -140,16 +141,36 @@ class CheckpointRunner:
         return cached_greedy_decode(self.built.model, prompt, new_tokens)
 
 
+def reference_dtype(config: dict, cpu: str | None = None) -> torch.dtype:
+    """What the unquantized reference computes in: a bfloat16 checkpoint in bfloat16 where this CPU has native
+    bf16 units (kiln/toolchain.py ``cpu_bf16_native``: AVX512-BF16, AMX, Arm BF16) — the dtype the model is served
+    in, and the one a cpu engine of it computes in on such a CPU (builder/backends/aot_inductor.compute_choice),
+    so the comparison measures the quantization, not bf16's rounding — at about half float32's time; everything
+    else in float32. The choice is part of the reference key (validation/reference.layout)."""
+    from kiln.toolchain import cpu_bf16_native, toolchain_for
+
+    ckpt = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    cpu = cpu or toolchain_for("aot-inductor", "cpu")["cpu"]
+    return torch.bfloat16 if ckpt == "bfloat16" and cpu_bf16_native(cpu) else torch.float32
+
+
 class TransformersRunner:
-    """The unquantized reference, exactly as transformers computes it."""
+    """The unquantized reference, exactly as transformers computes it (in ``dtype``; logits in float32)."""
 
     kv_cache = True
 
-    def __init__(self, checkpoint_dir: Path):
+    def __init__(self, checkpoint_dir: Path, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
-        self.device = "cpu"
-        self._model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
+        self.device, self.dtype = "cpu", dtype
+        self._model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype).eval()
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (the LM head's input, [batch, seq, hidden], float32) without running the LM
+        head: the stored reference keeps these and recomputes logits when it needs them (validation/accuracy.py),
+        so the head's matmul — a fifth of a small model's forward — is not paid twice."""
+        with torch.no_grad():
+            return self._model.get_decoder()(input_ids=input_ids).last_hidden_state.float()
 
     def hidden_and_logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The final hidden states (the LM head's input, [batch, seq, hidden]) and the logits."""
@@ -452,5 +473,5 @@ def open_engine(backend: str, engine_dir: Path) -> Runner:
     return BACKENDS[backend].load("runner")(engine_dir)
 
 
-def open_reference(checkpoint_dir: Path) -> Runner:
-    return TransformersRunner(checkpoint_dir)
+def open_reference(checkpoint_dir: Path, dtype: torch.dtype = torch.float32) -> Runner:
+    return TransformersRunner(checkpoint_dir, dtype)

@@ -13,8 +13,9 @@ harder than another) cancels, and far fewer units decide a question than two ind
 - A gate is **decided**: ``pass`` when the whole interval is on the good side of the threshold, ``fail`` when the
   whole interval is on the bad side, ``undecided`` when it straddles (the evaluation is too small to tell; an
   undecided gate does not pass).
-- Sequential evaluation looks at the data a fixed number of times (:func:`looks`); each look's interval is at
-  confidence ``1 - alpha / looks`` (Bonferroni), so the chance that any look decides wrongly stays ≤ ``alpha``.
+- Sequential evaluation looks at the data a fixed number of times (:func:`looks`); each look's interval is at one
+  confidence, Pocock's boundary for the plan (:func:`look_confidence`), so the chance that any look decides wrongly
+  stays ≤ ``alpha``.
 - The **minimum detectable effect** (MDE): the smallest true change that this many units would detect with power
   ``1 - beta`` at level ``alpha`` (two-sided), ``(z(1-alpha/2) + z(1-beta)) * sd / sqrt(n)`` — TensorRT-LLM's
   accuracy CI sizes its tests the same way for its unpaired case (``compute_theta``). Beside it, how many units an
@@ -23,6 +24,7 @@ harder than another) cancels, and far fewer units decide a question than two ind
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -170,9 +172,32 @@ def looks(total: int, *, floor: int, step: int) -> list[int]:
     return sorted(set(points))
 
 
-def look_confidence(n_looks: int, alpha: float = ALPHA) -> float:
-    """Each look's confidence so that all looks together err with probability ≤ ``alpha`` (Bonferroni)."""
-    return 1.0 - alpha / max(1, n_looks)
+#: paths simulated to find a look plan's Pocock boundary (its confidence is then within ~0.001 of the exact one)
+POCOCK_PATHS = 200_000
+
+
+def look_confidence(looks, alpha: float = ALPHA) -> float:
+    """Each look's confidence so that all looks together err with probability ≤ ``alpha``: Pocock's boundary — one
+    constant for every look — for the planned looks ``looks`` (units evaluated at each, the last being all).
+
+    An estimate after n of N units behaves as a Brownian motion observed at n/N; the looks are correlated (each
+    sees the units of the one before), so the Bonferroni price (``1 − alpha / looks``) overpays. The constant is the
+    1 − alpha quantile of the largest |Z| over the looks, simulated (seeded, so every build of a plan gets the same
+    number) on any spacing the plan has. Seven looks (128 windows): 98.7 % each rather than Bonferroni's 99.3 %."""
+    looks = tuple(int(n) for n in looks)
+    if len(looks) <= 1:
+        return 1.0 - alpha
+    return _pocock(looks, alpha)
+
+
+@functools.lru_cache(maxsize=64)
+def _pocock(looks: tuple[int, ...], alpha: float) -> float:
+    t = np.asarray(looks, dtype=np.float64) / looks[-1]
+    rng = np.random.default_rng(SEED)
+    steps = rng.standard_normal((POCOCK_PATHS, len(t))) * np.sqrt(np.diff(t, prepend=0.0))
+    largest = (np.abs(np.cumsum(steps, axis=1)) / np.sqrt(t)).max(axis=1)
+    c = float(np.quantile(largest, 1.0 - alpha))
+    return 1.0 - 2.0 * (1.0 - NormalDist().cdf(c))
 
 
 def settled(decisions: list[str]) -> bool:

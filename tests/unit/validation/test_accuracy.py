@@ -132,3 +132,17 @@ def test_every_familys_head_recomputes_its_logits_from_the_stored_hidden_states(
     hidden, logits = runner.hidden_and_logits(x)
     assert torch.allclose(LogitsHead.load(ckpt)(hidden), logits, atol=1e-5, rtol=0)
     assert torch.equal(runner.head()(hidden), logits)
+    assert torch.equal(runner.hidden(x), hidden)  # the decoder alone gives the head's input, for every family
+
+
+@pytest.mark.parametrize("ckpt_dtype,cpu,expected", [
+    ("bfloat16", "x86_64-AVX512+avx512_vnni+bf16", torch.bfloat16),  # native bf16 units: served dtype, ~2x faster
+    ("bfloat16", "x86_64-AVX2", torch.float32),  # none: bf16 would be the slower choice
+    ("float32", "x86_64-AVX512+bf16", torch.float32),
+    ("float16", "x86_64-AVX512+bf16", torch.float32),
+])
+def test_the_reference_computes_in_bf16_only_for_a_bf16_checkpoint_on_a_cpu_with_bf16_units(ckpt_dtype, cpu, expected):
+    from validation.runners import reference_dtype
+
+    assert reference_dtype({"torch_dtype": ckpt_dtype}, cpu) is expected
+    assert reference_dtype({"dtype": ckpt_dtype}, cpu) is expected

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kiln.datasets import load_text
 from kiln.keys import reference_key
@@ -76,6 +77,7 @@ def test_the_layout_follows_what_the_engine_accepts():
     assert layout(spec(profile={"max_batch_size": 1, "max_input_len": 32, "max_seq_len": 64, "max_num_tokens": 64}))[
         "seq_len"] == 64  # windows are capped by max_seq_len
     assert "task_max_len" not in layout(spec())
+    assert layout(spec())["computed_in"] == "float32" and layout(spec(), torch.bfloat16)["computed_in"] == "bfloat16"
     assert layout(spec(evaluation={"tasks": [str(TASK)]}))["task_max_len"] == 256  # max_input_len of latency
 
 

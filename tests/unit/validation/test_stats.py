@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from statistics import NormalDist
+
 import pytest
 
 from validation import stats
@@ -115,9 +117,26 @@ class TestLooks:
         assert stats.looks(128, floor=32, step=16) == [32, 48, 64, 80, 96, 112, 128]
         assert stats.looks(10, floor=32, step=16) == [10]
 
-    def test_each_look_is_stricter_so_that_all_together_keep_alpha(self):
-        assert stats.look_confidence(1) == pytest.approx(0.95)
-        assert stats.look_confidence(5) == pytest.approx(0.99)
+    def test_one_look_is_the_plain_confidence(self):
+        assert stats.look_confidence([128]) == pytest.approx(0.95)
+
+    def test_equally_spaced_looks_get_pococks_published_boundary(self):
+        # Pocock's constants, two-sided alpha 0.05 (Jennison & Turnbull 2000, table 2.1): 2, 5 and 10 looks
+        for k, c in ((2, 2.178), (5, 2.413), (10, 2.555)):
+            confidence = stats.look_confidence(list(range(1, k + 1)))
+            assert NormalDist().inv_cdf(1 - (1 - confidence) / 2) == pytest.approx(c, abs=0.012)
+
+    def test_the_boundary_keeps_alpha_over_all_looks_and_costs_less_than_bonferroni(self):
+        planned = [16, 35, 54, 73, 92, 111, 128]  # plan_looks(128, 16)
+        confidence = stats.look_confidence(planned)
+        assert 1 - 0.05 / len(planned) > confidence > 0.95
+        # an independent simulation (another seed) of a null engine: how often does any look reject?
+        rng = np.random.default_rng(12345)
+        t = np.asarray(planned) / planned[-1]
+        paths = np.cumsum(rng.standard_normal((100_000, len(t))) * np.sqrt(np.diff(t, prepend=0.0)), axis=1)
+        c = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
+        assert (np.abs(paths / np.sqrt(t)) > c).any(axis=1).mean() == pytest.approx(0.05, abs=0.004)
+        assert stats.look_confidence(planned) == confidence  # seeded: every build of a plan gets the same number
 
     def test_a_fail_or_all_passes_settle_the_verdict(self):
         assert stats.settled([PASS, PASS]) and stats.settled([UNDECIDED, FAIL])
