@@ -27,6 +27,8 @@ class Backend:
     kv_cache_quant: bool  # has a KV cache to quantize
     toolchain: tuple[str, ...]  # versions beyond torch / ModelOpt / transformers that bind its output
     status: str  # what has run where (README "What has run where")
+    #: a cpu build's output is machine code for the build CPU's ISA (it loads only where those features are)
+    cpu_native: bool = False
 
     def family_gap(self, family: Family) -> str | None:
         """Why this backend cannot build ``family``; None when it can."""
@@ -50,7 +52,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("aot-inductor", "torch.export + AOTInductor package (portable engine)", "hf",
             "builder.backends.aot_inductor:AOTInductorBackend", "validation.runners:AOTInductorRunner",
             gpu_only=False, tensor_parallel=False, kv_cache_quant=False, toolchain=("cuda",),
-            status="runs here (CPU); CUDA compile measured on an H200 once"),
+            status="runs here (CPU); CUDA compile measured on an H200 once", cpu_native=True),
     Backend("checkpoint", "ModelOpt unified HF checkpoint (TensorRT-LLM PyTorch backend, vLLM, SGLang)", "hf",
             "builder.backends.checkpoint:CheckpointBackend", "validation.runners:CheckpointRunner",
             gpu_only=False, tensor_parallel=False, kv_cache_quant=True, toolchain=("kiln_serving",),

@@ -158,6 +158,29 @@ def cpu_bf16_native(cpu: str) -> bool:
     return BF16 in parse_cpu(cpu)[2]
 
 
+#: node-feature-discovery's label prefix for CPUID flags (``feature.node.kubernetes.io/cpu-cpuid.<FLAG>: "true"``)
+NFD_CPUID = "feature.node.kubernetes.io/cpu-cpuid."
+#: a cpu engine's requirement (capability level or feature of its ``cpu`` entry) → the CPUID flag NFD labels it by
+#: (klauspost/cpuid's names). AVX2 and below are the x86-64 baseline Kiln assumes of every node; ``bf16`` is Kiln's
+#: summary of AVX512-BF16 / AMX, already named by those.
+NFD_FLAGS = {"AVX512": "AVX512F", "avx512_vnni": "AVX512VNNI", "avx512_bf16": "AVX512BF16", "amx_tile": "AMXTILE"}
+#: a ``cpu`` entry's machine → the kubelet's ``kubernetes.io/arch`` label value
+NODE_ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
+
+
+def node_requirements(cpu: str) -> dict[str, str]:
+    """The node labels a pod must select (nodeSelector, or a required node-affinity term) for a cpu engine built
+    on ``cpu`` to load on its node: the architecture (``kubernetes.io/arch``) and, for what the engine's ``.so``
+    was compiled to use beyond the baseline, node-feature-discovery's CPUID labels. Admission checks them
+    (workers/admission.py), so an AVX512 engine is never scheduled onto an AVX2 node to die there with SIGILL."""
+    machine, level, features = parse_cpu(cpu)
+    out = {"kubernetes.io/arch": NODE_ARCH[machine]} if machine in NODE_ARCH else {}
+    flags = [NFD_FLAGS[level]] if level in NFD_FLAGS else []
+    flags += [NFD_FLAGS[f] for f in sorted(features) if f in NFD_FLAGS]
+    out.update({NFD_CPUID + f: "true" for f in flags})
+    return out
+
+
 def cpu_incompatibility(built: str | None, asked: str) -> str | None:
     """Why an engine compiled on CPU ``built`` (a toolchain's ``cpu`` entry) may not load on CPU ``asked``, or
     None. Same machine; the engine's capability level at most the asked one's (AVX2 code runs on an AVX512 CPU,

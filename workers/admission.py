@@ -12,6 +12,9 @@ Verdicts, per reference:
   ``kiln.dev/allow-stale: <reason>``, which is returned as a warning;
 - built for another GPU architecture than the pod's node selection (``kiln.dev/sm`` or
   ``nvidia.com/gpu.product``, in ``nodeSelector`` or required node affinity) → denied;
+- a ``cpu`` engine whose pod does not require nodes that can load it (the architecture, and node-feature-discovery's
+  CPUID labels for what its code was compiled to use beyond AVX2: kiln/toolchain.node_requirements) → denied,
+  naming the labels to select;
 - unsigned, or signed by a key that is not trusted → denied.
 
 The decision is a pure function of the review and the facts :func:`engine_facts` reads: one indexed statement per
@@ -31,8 +34,10 @@ from sqlalchemy import and_, bindparam, select
 from sqlalchemy.orm import Session
 
 from builder.attest import SIGNATURE_KEY_ANNOTATION, SIGNED_TYPES
+from kiln.backends import BACKENDS
 from kiln.models import Artifact, Referrer, Tag, TrackedModel
 from kiln.spec import GPU_NAMES, OLD_GPUS
+from kiln.toolchain import node_requirements
 
 ALLOW_STALE = "kiln.dev/allow-stale"
 SM_LABEL = "kiln.dev/sm"
@@ -54,6 +59,7 @@ class EngineFacts:
     revision: str | None
     head: str | None  # the head of the repository the pod names (as resolve judges), None when it is untracked
     signed_by: frozenset[str] = field(default_factory=frozenset)  # keys that signed both files and provenance
+    cpu: str | None = None  # the CPU a cpu engine was compiled on (its toolchain's ``cpu`` entry)
 
 
 @dataclass(frozen=True)
@@ -166,8 +172,30 @@ def asked_sms(spec: dict) -> tuple[set[str], list[str]]:
     return sms, notes
 
 
+def requires(spec: dict, label: str, value: str) -> bool:
+    """Whether the pod's node selection admits only nodes with ``label=value``: in ``nodeSelector``, or in every
+    term of its required node affinity (terms are alternatives; one without it would admit other nodes) by ``In``
+    with only that value or, for NFD's ``true`` labels, ``Exists``."""
+    if _dict(spec.get("nodeSelector")).get(label) == value:
+        return True
+    terms = _list(_dig(spec, ("affinity", "nodeAffinity", "requiredDuringSchedulingIgnoredDuringExecution",
+                              "nodeSelectorTerms")))
+
+    def term_requires(term) -> bool:
+        for expr in _list(_dict(term).get("matchExpressions")):
+            if not isinstance(expr, dict) or expr.get("key") != label:
+                continue
+            if expr.get("operator") == "In" and _list(expr.get("values")) == [value]:
+                return True
+            if expr.get("operator") == "Exists" and value == "true":
+                return True
+        return False
+
+    return bool(terms) and all(term_requires(t) for t in terms)
+
+
 def verdict(ref: ImageRef, facts: EngineFacts | None, *, sms: set[str], allow_stale: str | None,
-            trusted: set[str]) -> tuple[str | None, str | None]:
+            trusted: set[str], spec: dict | None = None) -> tuple[str | None, str | None]:
     """(denial, warning) for one reference of this registry."""
     what = f"{ref.where}: {ref.reference}"
     if facts is None:
@@ -183,6 +211,12 @@ def verdict(ref: ImageRef, facts: EngineFacts | None, *, sms: set[str], allow_st
     if facts.target.startswith("sm") and sms and facts.target not in sms:
         return (f"{what}: the engine is built for {facts.target} but the pod selects "
                 f"{', '.join(sorted(sms))} (engines load only on the architecture that built them)"), None
+    if facts.target == "cpu" and facts.cpu:
+        missing = {k: v for k, v in node_requirements(facts.cpu).items() if not requires(spec or {}, k, v)}
+        if missing:
+            return (f"{what}: the engine is compiled for {facts.cpu}; require nodes that can load it in the pod's "
+                    f"nodeSelector: " + ", ".join(f"{k}: \"{v}\"" for k, v in missing.items())
+                    + " (node-feature-discovery's CPUID labels; kubernetes.io/arch is the kubelet's)"), None
     stale = facts.status == "stale" or (facts.head is not None and facts.revision != facts.head)
     if stale:
         why = f"built from {facts.revision}, the tracked head is {facts.head}" if facts.head else "stale"
@@ -232,7 +266,7 @@ def review(body: Any, *, hosts: set[str], allow_tags: bool, trusted: set[str],
             if digest is not None and not DIGEST_RE.match(digest):
                 denials.append(f"{where}: {reference} has a malformed digest")
                 continue
-            denial, warning = verdict(ref, lookup(ref), sms=sms, allow_stale=allow_stale, trusted=trusted)
+            denial, warning = verdict(ref, lookup(ref), sms=sms, allow_stale=allow_stale, trusted=trusted, spec=spec)
             if denial:
                 denials.append(denial)
             if warning:
@@ -252,7 +286,8 @@ def review(body: Any, *, hosts: set[str], allow_tags: bool, trusted: set[str],
 def _facts_statement():
     a, m, r = Artifact.__table__, TrackedModel.__table__, Referrer.__table__
     return (select(a.c.digest, a.c.status, a.c.status_reason, a.c.target, a.c.checkpoint_revision, m.c.head_sha,
-                   r.c.artifact_type, r.c.annotations)
+                   r.c.artifact_type, r.c.annotations, a.c.backend,
+                   a.c.provenance[("toolchain", "cpu")].as_string().label("cpu"))
             .select_from(a.outerjoin(m, m.c.name == bindparam("repository"))
                          .outerjoin(r, and_(r.c.subject == a.c.digest, r.c.artifact_type.in_(SIGNED_TYPES))))
             .where(a.c.digest == bindparam("digest")))
@@ -284,7 +319,8 @@ def engine_facts(session: Session, ref: ImageRef) -> EngineFacts | None:
         return None
     first = rows[0]
     return EngineFacts(first.digest, first.status, first.status_reason, first.target, first.checkpoint_revision,
-                       first.head_sha, signed_keys((r.artifact_type, r.annotations) for r in rows))
+                       first.head_sha, signed_keys((r.artifact_type, r.annotations) for r in rows),
+                       first.cpu if first.backend in BACKENDS and BACKENDS[first.backend].cpu_native else None)
 
 
 def signature_summary(session: Session, digest: str, trusted: set[str]) -> dict[str, Any]:

@@ -225,7 +225,8 @@ def index_app():
 
 
 def publish_engine(app, tmp_path, seed: str, *, model: str = "acme/tiny", target: str = "sm90",
-                   profile: str = "latency", revision: str | None = "a" * 40, validation: dict | None = None):
+                   profile: str = "latency", revision: str | None = "a" * 40, validation: dict | None = None,
+                   backend: str = "checkpoint", toolchain: dict | None = None):
     """An engine published by the real ``builder.publish.publish`` (signed, its referrers indexed); ``seed``
     makes its files and build key distinct."""
     from builder.publish import publish
@@ -233,11 +234,11 @@ def publish_engine(app, tmp_path, seed: str, *, model: str = "acme/tiny", target
     from kiln.spec import parse_spec
 
     spec = parse_spec({"checkpoint": f"hf://{model}@{'a' * 40}", "model_name": model, "precision": "fp8",
-                       "profile": profile, "backend": "checkpoint", "target": target}, [])
+                       "profile": profile, "backend": backend, "target": target}, [])
     root = tmp_path / seed
     root.mkdir()
     (root / "config.json").write_text(json.dumps({"seed": seed}))
-    prov = {"created": "2026-01-01T00:00:00Z", "toolchain": {},
+    prov = {"created": "2026-01-01T00:00:00Z", "toolchain": toolchain or {},
             "checkpoint": {"ref": spec.checkpoint, "digest": sha256_bytes(b"c"), "revision": revision}}
     return publish(app.state.store, app.state.sessions, root, spec=spec, build_key=sha256_bytes(seed.encode()),
                    provenance=prov, validation=validation or {"passed": True})
@@ -541,3 +542,59 @@ def test_staleness_is_judged_by_the_head_of_the_repository_the_pod_names(tmp_pat
     r = post("other/tiny")
     assert r["allowed"] is False and f"the tracked head is {'b' * 40}" in r["status"]["message"]
     assert post("untracked/tiny")["allowed"] is True  # no tracked head to be behind
+
+
+AMX = "x86_64-AVX512+amx_tile+avx512_bf16+avx512_vnni+bf16"
+NEEDS_AMX = {"kubernetes.io/arch": "amd64", "feature.node.kubernetes.io/cpu-cpuid.AVX512F": "true",
+             "feature.node.kubernetes.io/cpu-cpuid.AMXTILE": "true",
+             "feature.node.kubernetes.io/cpu-cpuid.AVX512BF16": "true",
+             "feature.node.kubernetes.io/cpu-cpuid.AVX512VNNI": "true"}
+
+
+@pytest.mark.parametrize("cpu,labels", [
+    (AMX, NEEDS_AMX),
+    ("x86_64-AVX2", {"kubernetes.io/arch": "amd64"}),  # the x86-64 baseline: any amd64 node
+    ("aarch64-SVE256+bf16", {"kubernetes.io/arch": "arm64"}),
+])
+def test_a_cpu_engines_node_requirements_are_nfd_labels_for_what_its_code_uses(cpu, labels):
+    from kiln.toolchain import node_requirements
+
+    assert node_requirements(cpu) == labels
+
+
+def test_a_cpu_engine_is_admitted_only_where_the_pod_requires_nodes_that_can_load_it():
+    d = "sha256:" + "c" * 64
+    FACTS[d] = EngineFacts(d, "fresh", None, "cpu", "r1", "r1", frozenset({KEY}), AMX)
+    try:
+        image = f"{HOST}/acme/tiny@{d}"
+        r = decide(pod_create(image=image, node_selector={"kubernetes.io/arch": "amd64"}))
+        assert r["allowed"] is False
+        msg = r["status"]["message"]
+        assert f"compiled for {AMX}" in msg and 'feature.node.kubernetes.io/cpu-cpuid.AMXTILE: "true"' in msg
+        assert "kubernetes.io/arch" not in msg.split("nodeSelector:")[1].split("(")[0]  # what it has is not asked
+        assert decide(pod_create(image=image, node_selector=NEEDS_AMX))["allowed"]
+        affinity = {"nodeSelectorTerms": [{"matchExpressions": [
+            {"key": k, "operator": "In", "values": [v]} if k.startswith("kubernetes.io") else
+            {"key": k, "operator": "Exists"} for k, v in NEEDS_AMX.items()]}]}
+        body = pod_create(image=image, node_selector={"x": "y"})
+        body["request"]["object"]["spec"]["affinity"] = {"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": affinity}}
+        assert decide(body)["allowed"]
+        # a second, alternative term without the labels admits other nodes: denied
+        affinity["nodeSelectorTerms"].append({"matchExpressions": [
+            {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]})
+        assert not decide(body)["allowed"]
+    finally:
+        del FACTS[d]
+
+
+def test_the_index_gives_admission_the_cpu_of_a_native_cpu_engine_only(tmp_path):
+    from workers.admission import ImageRef, engine_facts
+
+    app = index_app()
+    native = publish_engine(app, tmp_path, "native", target="cpu", backend="aot-inductor", toolchain={"cpu": AMX})
+    portable = publish_engine(app, tmp_path, "portable", target="cpu", toolchain={"cpu": AMX})  # checkpoint: no code
+    with app.state.sessions() as s:
+        def facts(a):
+            return engine_facts(s, ImageRef("c", f"{HOST}/acme/tiny@{a.digest}", HOST, "acme/tiny", None, a.digest))
+        assert facts(native).cpu == AMX and facts(portable).cpu is None
