@@ -360,10 +360,12 @@ class RunnerLM(TemplateLM):
 
 
 # -- running ---------------------------------------------------------------------------------------
-def evaluate_lm(lm, task_path: str | Path, *, limit: int | None = None) -> dict:
+def evaluate_lm(lm, task_path: str | Path, *, limit: int | None = None, items: list[int] | None = None) -> dict:
     """Run one task file with an lm-eval model (a :class:`RunnerLM`, or e.g. lm-eval's own ``HFLM``):
     ``{"task", "metric", "items": [{"id", "correct", "score", "loglikelihoods"}...], "accuracy", "n"}``, items in
-    the task's order, ``score`` the item's metric value (1.0 or 0.0), ``loglikelihoods`` one per choice."""
+    the task's order, ``score`` the item's metric value (1.0 or 0.0), ``loglikelihoods`` one per choice.
+    ``items``: only these items (positions in the task; lm-eval's ``samples``), e.g. one look of a sequential
+    evaluation."""
     from lm_eval import evaluator
 
     path = Path(task_path)
@@ -374,7 +376,8 @@ def evaluate_lm(lm, task_path: str | Path, *, limit: int | None = None) -> dict:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=1234)  # simple_evaluate's default fewshot seed
         out = evaluator.evaluate(lm=lm, task_dict={"tasks": {task.task_name: task}, "groups": {}, "group_map": {}},
-                                 limit=limit, log_samples=True, bootstrap_iters=0)
+                                 limit=limit, samples={task.task_name: sorted(items)} if items is not None else None,
+                                 log_samples=True, bootstrap_iters=0)
     samples = sorted(out["samples"][task.task_name], key=lambda s: s["doc_id"])
     metric = info["metric"]
     items = [{"id": _item_ids([s["doc"]], start=s["doc_id"])[0], "correct": bool(s[metric] == 1.0),
@@ -385,9 +388,10 @@ def evaluate_lm(lm, task_path: str | Path, *, limit: int | None = None) -> dict:
 
 
 def evaluate_task(runner, tokenizer_dir: str | Path, task_path: str | Path, *, max_batch: int, max_len: int,
-                  limit: int | None = None) -> dict:
+                  limit: int | None = None, items: list[int] | None = None) -> dict:
     """One task file on a runner within an engine's limits (see :func:`evaluate_lm` for the result)."""
-    return evaluate_lm(RunnerLM(runner, tokenizer_dir, max_batch=max_batch, max_len=max_len), task_path, limit=limit)
+    return evaluate_lm(RunnerLM(runner, tokenizer_dir, max_batch=max_batch, max_len=max_len), task_path, limit=limit,
+                       items=items)
 
 
 def run_tasks(runner, tokenizer_dir: str | Path, paths: list[str | Path], *, max_batch: int, max_len: int,

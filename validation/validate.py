@@ -50,23 +50,44 @@ def task_limits(spec: BuildSpec) -> tuple[int, int]:
     return eval_batch(spec), min(profile.max_input_len, profile.max_seq_len - 1)
 
 
-def task_accuracy(engine, reference, tokenizer_dir: Path, spec: BuildSpec, tasks: dict[str, Path]) -> list[dict]:
+def task_accuracy(engine, reference, tokenizer_dir: Path, spec: BuildSpec, tasks: dict[str, Path],
+                  threshold: float | None = None) -> list[dict]:
     """Each task's accuracy for engine and reference, paired item by item (validation/stats.py), with every
-    item's outcome. ``reference``: a validation.reference.Reference holding the reference's outcomes."""
+    item's outcome. ``reference``: a validation.reference.Reference holding the reference's outcomes (of every
+    item). With the task gate's ``threshold`` (and ``evaluation.sequential``) the engine's items are evaluated as the
+    windows are: in a fixed random order, looking at the planned points at Pocock's confidence, and stopping at the
+    first look where the gate is decided; ``evaluated`` of ``total`` items says how far it went."""
+    from validation.accuracy import plan_looks
     from validation.tasks import evaluate_task
 
     batch, max_len = task_limits(spec)
     out = []
     for digest, path in tasks.items():
-        mine = evaluate_task(engine, tokenizer_dir, Path(path), max_batch=batch, max_len=max_len)
         ref = reference.tasks[digest]
+        total = len(ref["items"])
+        order = stats.fixed_order(total)
+        planned = plan_looks(total, batch) if threshold is not None and spec.evaluation.sequential else [total]
+        confidence = stats.look_confidence(planned)
         theirs = {item["id"]: item["correct"] for item in ref["items"]}
-        ids = [item["id"] for item in mine["items"] if item["id"] in theirs]
-        if len(ids) != len(ref["items"]) or len(ids) != len(mine["items"]):
-            raise ValueError(f"task {mine['task']}: the engine's and the reference's items do not pair")
-        engine_ok = {item["id"]: item["correct"] for item in mine["items"]}
-        paired = stats.paired_accuracy([engine_ok[i] for i in ids], [theirs[i] for i in ids], 1 - stats.ALPHA)
+        engine_ok: dict[str, bool] = {}
+        done, decision = 0, None
+        for look in planned:
+            mine = evaluate_task(engine, tokenizer_dir, Path(path), max_batch=batch, max_len=max_len,
+                                 items=None if look == total and done == 0 else order[done:look])
+            engine_ok.update({item["id"]: item["correct"] for item in mine["items"]})
+            done = look
+            if any(i not in theirs for i in engine_ok) or len(engine_ok) != done:
+                raise ValueError(f"task {mine['task']}: the engine's and the reference's items do not pair")
+            ids = [ref["items"][k]["id"] for k in sorted(order[:done])]
+            paired = stats.paired_accuracy([engine_ok[i] for i in ids], [theirs[i] for i in ids], confidence)
+            if threshold is not None:
+                decision = stats.decide(TASK_GATE, paired["interval"], paired["drop_pts"], threshold)
+                if decision != stats.UNDECIDED:
+                    break
         out.append({"task": mine["task"], "digest": digest, "metric": mine.get("metric", "acc"),
+                    "evaluated": done, "total": total,
+                    "sequential": {"looks": planned, "confidence": confidence, "stopped_at": done,
+                                   "decision": decision, "skipped": total - done},
                     "items": paired["items"], "engine_accuracy": paired["engine_accuracy"],
                     "reference_accuracy": paired["reference_accuracy"], "drop_pts": paired["drop_pts"],
                     "interval": paired["interval"].as_dict(), "mde_pts": paired["mde_pts"],
@@ -96,7 +117,7 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
     batch = eval_batch(spec)
     metrics = accuracy(engine, reference.windows, ids, seq, batch, gates, sequential=spec.evaluation.sequential)
     if tasks:
-        metrics["tasks"] = task_accuracy(engine, reference, tokenizer_dir, spec, tasks)
+        metrics["tasks"] = task_accuracy(engine, reference, tokenizer_dir, spec, tasks, threshold=gates.get(TASK_GATE))
     if before_timing is not None:
         before_timing()
     # A runner with a runtime of its own (TensorRT-LLM: trtllm-bench, in-flight batching, KV cache) measures its

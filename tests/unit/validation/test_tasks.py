@@ -316,3 +316,40 @@ def test_the_shipped_cloze_task_is_what_its_generator_writes():
         assert 30 <= len(item["context"].split()) <= 60 and len(item["choices"]) == 4
         assert all(c.lower() != answer.lower() for n, c in enumerate(item["choices"]) if n != item["answer"])
     assert len({i["answer"] for i in items}) == 4  # the right answer is not always in one place
+
+
+def test_chosen_items_are_exactly_those_items_of_a_full_run(runner, runner_result):
+    part = tasks.evaluate_task(runner, TINY, JSONL, max_batch=8, max_len=128, items=[17, 3, 9])
+    full = {i["id"]: i for i in runner_result["items"]}
+    assert [i["id"] for i in part["items"]] == [runner_result["items"][k]["id"] for k in (3, 9, 17)]
+    for item in part["items"]:
+        assert item["correct"] == full[item["id"]]["correct"]
+        assert item["loglikelihoods"] == pytest.approx(full[item["id"]]["loglikelihoods"], abs=1e-4)
+
+
+@pytest.mark.parametrize("threshold,sequential,evaluated,decision", [
+    (30.0, True, 16, "pass"),  # an engine identical to its reference, a loose gate: decided at the first look
+    (1.0, True, 64, "undecided"),  # a gate finer than 64 items resolve: every item, and it says so
+    (30.0, False, 64, None),  # --eval-all
+])
+def test_task_items_are_evaluated_sequentially_until_the_task_gate_is_decided(runner, tmp_path, threshold, sequential,
+                                                                                evaluated, decision):
+    from types import SimpleNamespace
+
+    from kiln.spec import parse_spec
+    from validation.validate import task_accuracy
+
+    path = tmp_path / "cloze64.jsonl"
+    path.write_text("".join(JSONL.read_text().splitlines(keepends=True)[:64]))
+    reference = SimpleNamespace(tasks={"d": tasks.evaluate_task(runner, TINY, path, max_batch=8, max_len=128)})
+    spec = parse_spec({"checkpoint": str(TINY), "precision": "fp8", "evaluation": {"sequential": sequential}},
+                      [REPO])
+    rec = Recording(runner)
+    [out] = task_accuracy(rec, reference, TINY, spec, {"d": path}, threshold=threshold if sequential else None)
+    assert out["evaluated"] == evaluated and out["total"] == 64 and out["items"] == evaluated
+    assert out["sequential"]["decision"] == decision and out["sequential"]["skipped"] == 64 - evaluated
+    assert out["drop_pts"] == 0.0 and len(out["outcomes"]) == evaluated
+    if sequential:
+        assert out["interval"]["confidence"] == pytest.approx(0.95 if len(out["sequential"]["looks"]) == 1 else
+                                                               out["sequential"]["confidence"])
+        assert out["sequential"]["confidence"] > 0.95
