@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     # anonymous (artifacts/push.py)
     registry_username: str | None = None
     registry_password: str | None = None
+    # After a build succeeds, push its engine with its referrers to host[:port][/prefix] (as
+    # <prefix>/<repository>:<tag>); a failed push is recorded in the build's events, the build still succeeds
+    # (workers/replication.py). Plain http to a non-loopback host only with replicate_insecure.
+    replicate_to: str | None = None
+    replicate_insecure: bool = False
     # /docs and /redoc load Swagger UI / ReDoc scripts from a CDN: off unless asked for (/openapi.json always)
     api_docs: bool = False
 

@@ -211,3 +211,37 @@ def test_push_refusals_are_one_line_with_their_exit_codes(registry, home, tmp_pa
     # a remote host is https unless --insecure: the plain-http registry's port, named by a non-loopback name
     tls = kiln(path, "push", digest, f"localhost.localdomain.invalid:{host.rsplit(':', 1)[1]}/x")
     assert tls.returncode == 3
+
+
+@needs_registry
+def test_replication_pushes_after_a_build_and_records_a_failure_without_raising(registry, home):
+    """KILN_REPLICATE_TO (workers/replication.py, called by the worker before it marks a build succeeded): the
+    engine lands at <prefix>/<repository>:<tag> with its referrers; a registry that is down is recorded as the
+    build's replication_failed event, and nothing is raised."""
+    from sqlalchemy import select
+
+    from kiln.models import Artifact, Build, BuildEvent
+    from workers.replication import replicate
+
+    path, digest, store, _ = home
+    host = registry.removeprefix("http://")
+    sessions = db.session_factory(Settings(home=path).db_url)
+    with sessions() as s:
+        s.add(Build(id="b-replicate", request_key=digest, spec={}, queue="q", status="running"))
+        tag = s.get(Artifact, digest).tag
+        s.commit()
+    ok = replicate(Settings(home=path, replicate_to=f"{host}/mirror/"), store, sessions, "b-replicate", digest)
+    assert ok["reference"] == f"{host}/mirror/acme/tiny@{digest}" and ok["referrers"] == 4
+    assert ok["dest"] == f"{host}/mirror/acme/tiny:{tag}" and ok["referrers_api"] is False
+    got = httpx.get(f"{registry}/v2/mirror/acme/tiny/manifests/{tag}",
+                    headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    assert got.status_code == 200 and got.headers["Docker-Content-Digest"] == digest
+    down = replicate(Settings(home=path, replicate_to=f"127.0.0.1:{free_port()}"), store, sessions, "b-replicate",
+                     digest)
+    assert down["error"]["code"] == "registry_unavailable"
+    assert replicate(Settings(home=path), store, sessions, "b-replicate", digest) is None  # off: nothing recorded
+    with sessions() as s:
+        events = [(e.kind, e.data) for e in s.scalars(select(BuildEvent).where(BuildEvent.build_id == "b-replicate")
+                                                      .order_by(BuildEvent.id))]
+    assert [k for k, _ in events] == ["replicated", "replication_failed"]
+    assert events[1][1]["dest"].endswith(f"/acme/tiny:{tag}")
