@@ -451,6 +451,7 @@ def _register_commands() -> None:
     import api.cli_models  # noqa: F401  (models)
     import api.cli_resolve  # noqa: F401  (resolve)
     import api.cli_sign  # noqa: F401  (verify, keys)
+    import api.cli_push  # noqa: F401  (push)
 
 
 _register_commands()

@@ -257,6 +257,20 @@ class StorageUnavailable(KilnError):
     code = "storage_unavailable"
 
 
+class RegistryUnavailable(KilnError):
+    """``kiln push`` (or replication): the target registry could not be reached, or answered with a server error
+    or ``429``. Nothing it holds is half-written: manifests are pushed only after their blobs."""
+
+    code = "registry_unavailable"
+
+
+class RegistryDenied(KilnError):
+    """``kiln push`` (or replication): the target registry refused a request — credentials missing or wrong
+    (``401``), no push permission (``403``), or content it does not take (another ``4xx``, its error quoted)."""
+
+    code = "registry_denied"
+
+
 class DatabaseUnavailable(KilnError):
     """The index database could not be reached (connection refused, dropped, invalidated)."""
 

@@ -62,6 +62,15 @@ class Settings(BaseSettings):
     # than the grace period is not swept (builder/leases.py). Stage outputs unused this long may be collected.
     gc_grace_s: float = Field(default=3600.0, gt=0)
     lease_ttl_s: float = Field(default=6 * 3600.0, gt=0)
+    # `kiln push` (and replication): credentials for the target registry; unset: the docker config's (auths), or
+    # anonymous (artifacts/push.py)
+    registry_username: str | None = None
+    registry_password: str | None = None
+    # After a build succeeds, push its engine with its referrers to host[:port][/prefix] (as
+    # <prefix>/<repository>:<tag>); a failed push is recorded in the build's events, the build still succeeds
+    # (workers/replication.py). Plain http to a non-loopback host only with replicate_insecure.
+    replicate_to: str | None = None
+    replicate_insecure: bool = False
     # /docs and /redoc load Swagger UI / ReDoc scripts from a CDN: off unless asked for (/openapi.json always)
     api_docs: bool = False
 

@@ -148,6 +148,9 @@ def run_build(build_id: str, settings: Settings, worker_name: str, *, last_try: 
     stages = [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3)} for s in outcome.stages]
     assert [s["name"] for s in stages] == list(STAGES)
     if outcome.status == "succeeded":
+        from workers.replication import replicate
+
+        replicate(settings, store, sessions, build_id, outcome.digest)  # KILN_REPLICATE_TO; never fails the build
         _finish(sessions, build_id, "succeeded", digest=outcome.digest, build_key=outcome.build_key, stages=stages,
                 stage=None)
     else:

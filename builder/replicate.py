@@ -1,0 +1,52 @@
+"""Copying a published engine, with its referrers, to a standard registry: ``kiln push`` (api/cli_push.py). The
+engine's index row says which referrers it has (provenance, validation report, signature, signed provenance);
+:mod:`artifacts.push` sends them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from artifacts.interfaces import BlobStore
+from artifacts.push import PushResult, Registry, credentials_for, parse_destination, push_image
+from kiln.errors import EngineRevoked, ValidationFailed
+from kiln.models import Artifact, Referrer
+
+
+def referrers_of(session: Session, digest: str) -> list[str]:
+    """The digests of the referrers whose subject is ``digest``, in the order they were published."""
+    return list(session.scalars(select(Referrer.digest).where(Referrer.subject == digest)
+                                .order_by(Referrer.created_at, Referrer.digest)))
+
+
+def push_engine(store: BlobStore, sessions: sessionmaker[Session], digest: str, dest: str, *,
+                insecure: bool = False, username: str | None = None, password: str | None = None,
+                registry: Registry | None = None, on_step: Callable[[str], None] | None = None) -> PushResult:
+    """Push the engine ``digest`` and all its referrers to ``dest`` (``host[:port]/repository[:tag]``). A revoked
+    engine (:class:`EngineRevoked`) or a rejected one (:class:`ValidationFailed`) is refused: the target is the
+    registry a cluster pulls from. ``username``/``password``: ``KILN_REGISTRY_USERNAME``/``_PASSWORD``."""
+    target = parse_destination(dest)
+    with sessions() as session:
+        row = session.get(Artifact, digest)
+        if row is None:
+            from kiln.errors import ArtifactUnknown
+
+            raise ArtifactUnknown(f"no engine {digest} in this registry", field="digest")
+        if row.status == "revoked":
+            raise EngineRevoked(f"engine {digest} is revoked ({row.status_reason or 'no reason given'}); "
+                                "it is not pushed", field="digest", fix="push a fresh engine")
+        if row.status == "rejected":
+            raise ValidationFailed(f"engine {digest} failed validation ({row.status_reason or 'rejected'}); "
+                                   "it is not pushed", field="digest", fix="push a validated engine")
+        refs = referrers_of(session, digest)
+    own = registry is None
+    if registry is None:
+        creds = credentials_for(target.host, username=username, password=password)
+        registry = Registry(target.host, insecure=insecure, credentials=creds)
+    try:
+        return push_image(store, registry, target, digest, refs, on_step=on_step)
+    finally:
+        if own:
+            registry.close()

@@ -1,0 +1,247 @@
+"""`kiln push` against a real CNCF distribution registry (Debian's ``docker-registry``, started here as a plain
+process on a free port with its own storage), then pulled back by digest by clients written by others (skopeo,
+oras-py): the same manifest digest, the same bytes, the same referrers as Kiln's own /v2.
+
+distribution 2.8 has no referrers API (``GET /v2/<name>/referrers/<digest>`` is a 404), so what runs here is the
+referrers *tag schema* (an index tagged ``sha256-<hex>``); the referrers API path is tested against a scripted
+registry in tests/unit/artifacts/test_push.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from artifacts.factory import open_store
+from artifacts.oci import MEDIA_TYPE_IMAGE_INDEX
+from artifacts.signing import configured_signer
+from builder.publish import publish
+from kiln import db
+from kiln.settings import Settings
+from kiln.spec import parse_spec
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REGISTRY = shutil.which("docker-registry") or ("/usr/bin/docker-registry"
+                                               if Path("/usr/bin/docker-registry").exists() else None)
+SKOPEO = shutil.which("skopeo")
+needs_registry = pytest.mark.skipif(REGISTRY is None, reason="docker-registry (CNCF distribution) is not installed: "
+                                                             "scripts/install-test-tools.sh (apt-get install "
+                                                             "docker-registry)")
+needs_skopeo = pytest.mark.skipif(SKOPEO is None, reason="skopeo is not installed (apt-get install -y skopeo)")
+INDEX = {"Accept": MEDIA_TYPE_IMAGE_INDEX}
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kiln(home: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "KILN_HOME": str(home), "DOCKER_CONFIG": str(home / "no-docker"),
+                               **(env or {})}, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    if REGISTRY is None:
+        pytest.skip("docker-registry is not installed")
+    root = tmp_path_factory.mktemp("distribution")
+    port = free_port()
+    (root / "config.yml").write_text(
+        "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: " + str(root / "data")
+        + f"\nhttp:\n  addr: 127.0.0.1:{port}\n")
+    log = open(root / "log", "wb")
+    proc = subprocess.Popen([REGISTRY, "serve", str(root / "config.yml")], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                if httpx.get(f"{url}/v2/", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"docker-registry exited: {(root / 'log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        else:
+            pytest.fail("docker-registry did not answer /v2/ in 10 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """An engine published into a KILN_HOME by the real publish stage (no build), signed with that home's key."""
+    home = tmp_path_factory.mktemp("push") / "kiln"
+    settings = Settings(home=home)
+    db.upgrade(settings.db_url)
+    store, sessions = open_store(settings.store), db.session_factory(settings.db_url)
+    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "model_name": "acme/tiny", "precision": "fp8",
+                       "profile": "balanced", "backend": "checkpoint", "target": "h100"}, [])
+    engine = home.parent / "engine"
+    (engine / "serving").mkdir(parents=True)
+    (engine / "config.json").write_text('{"hidden_size": 8}')
+    (engine / "weights.bin").write_bytes(os.urandom(3 << 20))  # over a store chunk: a blob read in several
+    (engine / "serving" / "vllm.yaml").write_text("max-num-seqs: 8\n")
+    row = publish(store, sessions, engine, spec=spec, build_key=sha(b"push"),
+                  provenance={"created": "2026-12-01T00:00:00Z", "toolchain": {"torch": "2.13"},
+                              "checkpoint": {"ref": spec.checkpoint, "digest": sha(b"c"), "revision": "a" * 40}},
+                  validation={"passed": True, "gates": [], "metrics": {}}, signer=configured_signer(settings))
+    kiln_v2 = TestClient(create_app(settings, enqueue=lambda *a: None))
+    return home, row.digest, store, kiln_v2
+
+
+@needs_registry
+def test_push_then_pull_back_by_digest(registry, home, tmp_path):
+    path, digest, store, kiln_v2 = home
+    host = registry.removeprefix("http://")
+    dest = f"{host}/team/engines/tiny"
+    proc = kiln(path, "push", digest[:20], f"{dest}:fp8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (f"pushed {dest}@{digest} with 4 referrers (listed under the referrers tag schema), "
+                           "tagged fp8\n")
+
+    # the manifest: the same bytes, so the same digest, by digest and by tag
+    ours = kiln_v2.get(f"/v2/acme/tiny/manifests/{digest}")
+    assert ours.status_code == 200
+    theirs = httpx.get(f"{registry}/v2/team/engines/tiny/manifests/{digest}",
+                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    assert theirs.status_code == 200 and theirs.content == ours.content
+    assert theirs.headers["Docker-Content-Digest"] == digest
+    tagged = httpx.get(f"{registry}/v2/team/engines/tiny/manifests/fp8",
+                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    assert tagged.headers["Docker-Content-Digest"] == digest
+
+    # referrers: distribution 2.8 has no referrers API, so they are listed under the tag schema's index
+    assert httpx.get(f"{registry}/v2/team/engines/tiny/referrers/{digest}").status_code == 404
+    kiln_index = kiln_v2.get(f"/v2/acme/tiny/referrers/{digest}").json()["manifests"]
+    fallback = httpx.get(f"{registry}/v2/team/engines/tiny/manifests/sha256-{digest[7:]}", headers=INDEX)
+    assert fallback.status_code == 200
+    index = fallback.json()
+    assert index["mediaType"] == MEDIA_TYPE_IMAGE_INDEX
+    assert ({(m["digest"], m["artifactType"], m["size"]) for m in index["manifests"]}
+            == {(m["digest"], m["artifactType"], m["size"]) for m in kiln_index})
+    assert len(kiln_index) == 4
+    for ref in kiln_index:  # each referrer manifest byte for byte, naming the engine as its subject
+        got = httpx.get(f"{registry}/v2/team/engines/tiny/manifests/{ref['digest']}",
+                        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+        assert got.content == kiln_v2.get(f"/v2/acme/tiny/manifests/{ref['digest']}").content
+        assert json.loads(got.content)["subject"]["digest"] == digest
+
+    # oras-py pulls the engine layer and each referrer's payload by digest, byte-identical to Kiln's blobs
+    oras_client = pytest.importorskip("oras.client", reason="oras-py is not installed (pip install oras)")
+    client = oras_client.OrasClient(hostname=host, insecure=True)
+    [layer] = json.loads(theirs.content)["layers"]
+    [engine_tar] = client.pull(target=f"{dest}@{digest}", outdir=str(tmp_path / "oras"))
+    assert Path(engine_tar).name == "engine.tar"
+    assert Path(engine_tar).read_bytes() == store.get_bytes(layer["digest"])
+    for ref in kiln_index:
+        [payload] = client.pull(target=f"{dest}@{ref['digest']}", outdir=str(tmp_path / ref["digest"][7:]))
+        [ref_layer] = json.loads(store.get_bytes(ref["digest"]))["layers"]
+        assert Path(payload).read_bytes() == store.get_bytes(ref_layer["digest"])
+
+    # a second push sends nothing new and leaves one index entry per referrer
+    again = kiln(path, "push", digest, dest, "--json")
+    assert again.returncode == 0, again.stderr
+    body = json.loads(again.stdout)
+    assert body["blobs_sent"] == 0 and body["referrers_api"] is False
+    assert body["referrers_tag"] == f"sha256-{digest[7:]}" and body["reference"] == f"{dest}@{digest}"
+    index = httpx.get(f"{registry}/v2/team/engines/tiny/manifests/sha256-{digest[7:]}", headers=INDEX).json()
+    assert len(index["manifests"]) == 4
+
+
+@needs_registry
+@needs_skopeo
+def test_skopeo_inspects_and_copies_the_pushed_engine_by_digest(registry, home, tmp_path):
+    path, digest, store, _ = home
+    host = registry.removeprefix("http://")
+    assert kiln(path, "push", digest, f"{host}/skopeo/tiny").returncode == 0
+    ref = f"docker://{host}/skopeo/tiny@{digest}"
+    raw = subprocess.run([SKOPEO, "inspect", "--raw", "--tls-verify=false", ref], capture_output=True, timeout=120)
+    assert raw.returncode == 0, raw.stderr
+    assert raw.stdout == store.get_bytes(digest)
+    info = subprocess.run([SKOPEO, "inspect", "--tls-verify=false", ref], capture_output=True, text=True,
+                          timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["Digest"] == digest
+    layout = tmp_path / "layout"
+    copied = subprocess.run([SKOPEO, "--insecure-policy", "copy", "--preserve-digests",
+                             "--dest-oci-accept-uncompressed-layers", "--src-tls-verify=false", ref,
+                             f"oci:{layout}:engine"], capture_output=True, text=True, timeout=120)
+    assert copied.returncode == 0, copied.stderr
+    [entry] = json.loads((layout / "index.json").read_text())["manifests"]
+    assert entry["digest"] == digest
+    for blob in (layout / "blobs" / "sha256").iterdir():
+        assert store.get_bytes(f"sha256:{blob.name}") == blob.read_bytes()
+
+
+@needs_registry
+def test_push_refusals_are_one_line_with_their_exit_codes(registry, home, tmp_path):
+    path, digest, _, _ = home
+    host = registry.removeprefix("http://")
+    bad = kiln(path, "push", digest, "no-host-here")
+    assert bad.returncode == 2 and "dest" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    url = kiln(path, "push", digest, f"http://{host}/x")
+    assert url.returncode == 2 and "--insecure" in url.stderr
+    down = kiln(path, "push", digest, f"127.0.0.1:{free_port()}/x", "--json")
+    assert down.returncode == 3 and "cannot reach" in down.stderr
+    assert json.loads(down.stdout)["error"]["code"] == "registry_unavailable"
+    # a remote host is https unless --insecure: the plain-http registry's port, named by a non-loopback name
+    tls = kiln(path, "push", digest, f"localhost.localdomain.invalid:{host.rsplit(':', 1)[1]}/x")
+    assert tls.returncode == 3
+
+
+@needs_registry
+def test_replication_pushes_after_a_build_and_records_a_failure_without_raising(registry, home):
+    """KILN_REPLICATE_TO (workers/replication.py, called by the worker before it marks a build succeeded): the
+    engine lands at <prefix>/<repository>:<tag> with its referrers; a registry that is down is recorded as the
+    build's replication_failed event, and nothing is raised."""
+    from sqlalchemy import select
+
+    from kiln.models import Artifact, Build, BuildEvent
+    from workers.replication import replicate
+
+    path, digest, store, _ = home
+    host = registry.removeprefix("http://")
+    sessions = db.session_factory(Settings(home=path).db_url)
+    with sessions() as s:
+        s.add(Build(id="b-replicate", request_key=digest, spec={}, queue="q", status="running"))
+        tag = s.get(Artifact, digest).tag
+        s.commit()
+    ok = replicate(Settings(home=path, replicate_to=f"{host}/mirror/"), store, sessions, "b-replicate", digest)
+    assert ok["reference"] == f"{host}/mirror/acme/tiny@{digest}" and ok["referrers"] == 4
+    assert ok["dest"] == f"{host}/mirror/acme/tiny:{tag}" and ok["referrers_api"] is False
+    got = httpx.get(f"{registry}/v2/mirror/acme/tiny/manifests/{tag}",
+                    headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    assert got.status_code == 200 and got.headers["Docker-Content-Digest"] == digest
+    down = replicate(Settings(home=path, replicate_to=f"127.0.0.1:{free_port()}"), store, sessions, "b-replicate",
+                     digest)
+    assert down["error"]["code"] == "registry_unavailable"
+    assert replicate(Settings(home=path), store, sessions, "b-replicate", digest) is None  # off: nothing recorded
+    with sessions() as s:
+        events = [(e.kind, e.data) for e in s.scalars(select(BuildEvent).where(BuildEvent.build_id == "b-replicate")
+                                                      .order_by(BuildEvent.id))]
+    assert [k for k, _ in events] == ["replicated", "replication_failed"]
+    assert events[1][1]["dest"].endswith(f"/acme/tiny:{tag}")
