@@ -9,7 +9,8 @@ Style, the same everywhere:
   confidence) as ``94.2%``; percentage points as ``+1.20 pts``;
 - counts with thousands separators: ``30,307``; rates as ``30,307 tokens/s`` (3 significant digits under 100);
 - other numbers with 4 significant digits, trailing zeros dropped: ``0.0077``, ``41.26``;
-- no value ``—``; infinities ``∞`` and ``−∞``; ``NaN`` (without a unit).
+- no value ``—``; infinities ``∞`` and ``−∞``; ``NaN`` (without a unit); booleans yes/no; any other value
+  (a string) as it is, so a formatter never raises on what a server sent.
 
 Rounding is half away from zero on the float's exact value, which is what JavaScript's ``toFixed`` and
 ``toExponential`` do, so the two implementations agree digit for digit. JSON outputs keep raw values (machines).
@@ -38,8 +39,13 @@ GATES: dict[str, tuple[str, str]] = {
 
 # -- rounding (the same digits as JavaScript) --------------------------------------------------------------
 def _special(x) -> str | None:
+    """The text of what is not a finite number: None, a boolean, a string (shown as it is), an infinity, NaN."""
     if x is None:
         return NONE
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if not isinstance(x, (int, float)):
+        return str(x)
     if isinstance(x, float) and not math.isfinite(x):
         return "NaN" if math.isnan(x) else ("∞" if x > 0 else "−∞")
     return None
@@ -87,12 +93,10 @@ def count(n) -> str:
 
 def number(x, digits: int = 4) -> str:
     """A plain number: 4 significant digits, trailing zeros dropped (``0.0077``, ``41.26``); a whole number or one
-    from 10,000 up as a count (``2,048``)."""
+    from 1,000 up as a count (``2,048``)."""
     if (s := _special(x)) is not None:
         return s
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if abs(x) >= 1e4 or float(x).is_integer():
+    if abs(x) >= 1000 or float(x).is_integer():
         return count(x)
     return _trim(significant(x, digits))
 
@@ -159,9 +163,7 @@ KINDS = {"bytes": bytes_iec, "percent": percent, "fraction": fraction, "number":
 
 def display(v) -> str:
     """Any value a person reads in a table: numbers as :func:`number`, None ``—``, booleans yes/no, the rest as text."""
-    if v is None or isinstance(v, (bool, int, float)):
-        return number(v)
-    return str(v)
+    return number(v)
 
 
 # -- gates ---------------------------------------------------------------------------------------------------
@@ -171,8 +173,6 @@ def gate_label(name: str) -> str:
 
 def gate_value(name: str, value) -> str:
     """A gate's value or threshold in the gate's unit (an unknown gate: a plain number; not a number: as text)."""
-    if isinstance(value, bool) or (value is not None and not isinstance(value, (int, float))):
-        return str(value)
     return KINDS[GATES.get(name, (name, "number"))[1]](value)
 
 

@@ -20,7 +20,9 @@ const KilnUnits = (() => {
   // -- rounding: toFixed and toExponential round half away from zero on the exact value, as kiln/units.py does
   function special(x) {
     if (x === null || x === undefined) return NONE;
-    if (typeof x === "number" && !isFinite(x)) return isNaN(x) ? "NaN" : (x > 0 ? "∞" : "−∞");
+    if (typeof x === "boolean") return x ? "yes" : "no";
+    if (typeof x !== "number") return String(x);
+    if (!isFinite(x)) return isNaN(x) ? "NaN" : (x > 0 ? "∞" : "−∞");
     return null;
   }
 
@@ -58,8 +60,7 @@ const KilnUnits = (() => {
   function number(x, digits) {
     const s = special(x);
     if (s !== null) return s;
-    if (typeof x === "boolean") return x ? "yes" : "no";
-    if (Math.abs(x) >= 1e4 || Number.isInteger(x)) return count(x);
+    if (Math.abs(x) >= 1000 || Number.isInteger(x)) return count(x);
     return trim(significant(x, digits === undefined ? 4 : digits));
   }
 
@@ -115,17 +116,13 @@ const KilnUnits = (() => {
   const KINDS = { bytes: bytesIec, percent: (x) => percent(x), fraction: (x) => fraction(x), number: (x) => number(x),
     points: (x) => points(x), "tokens/s": (x) => rate(x), seconds: duration, count };
 
-  function display(v) {
-    if (v === null || v === undefined || typeof v === "boolean" || typeof v === "number") return number(v);
-    return String(v);
-  }
+  function display(v) { return number(v); }
 
   // -- gates
   function gateKind(name) { return GATES[name] || [name, "number"]; }
   function gateLabel(name) { return gateKind(name)[0]; }
 
   function gateValue(name, value) {
-    if (typeof value === "boolean" || (value !== null && value !== undefined && typeof value !== "number")) return String(value);
     return KINDS[gateKind(name)[1]](value);
   }
 
