@@ -4,6 +4,7 @@ Exit codes: 0 success, 1 validation failed, 2 bad input (one line naming the fie
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import kiln
 from api.errors import exit_code
 from api.output import error_line, json_line
 from api.progress import Progress
+from kiln import units
 from kiln.backends import DEFAULT_BACKEND
 from kiln.errors import KilnError, SpecError
 
@@ -150,47 +152,38 @@ def _print_summary(out: dict) -> None:
         click.echo(f"build {out['status']}: {(out.get('error') or {}).get('message', out.get('reason'))}")
     if m:
         peak = max((p["tokens_per_s"] for p in m.get("throughput", [])), default=0.0)
-        click.echo(f"validation {verdict}: perplexity {m['perplexity']:.3f} vs reference {m['reference_perplexity']:.3f} "
-                   f"({m['ppl_increase_pct']:+.2f}%), top-1 agreement {m['top1_agreement'] * 100:.1f}%, "
-                   f"mean KL {m['mean_kl']:.4f}, peak {peak:,.0f} tokens/s")
+        click.echo(f"validation {verdict}: perplexity {units.number(m['perplexity'])} vs reference "
+                   f"{units.number(m['reference_perplexity'])} ({units.percent(m['ppl_increase_pct'])}), "
+                   f"top-1 agreement {units.fraction(m['top1_agreement'])}, mean KL {units.number(m['mean_kl'])}, "
+                   f"peak {units.rate(peak)}")
         extra = []
         if isinstance(m.get("ttft_ms"), (int, float)):
-            extra.append(f"TTFT {m['ttft_ms']:.1f} ms")
+            extra.append(f"TTFT {units.duration(m['ttft_ms'] / 1000)}")
         if isinstance(m.get("tpot_ms"), (int, float)):
-            extra.append(f"TPOT {m['tpot_ms']:.1f} ms")
+            extra.append(f"TPOT {units.duration(m['tpot_ms'] / 1000)}")
         if isinstance(m.get("peak_memory_bytes"), (int, float)):
-            extra.append(f"peak memory {m['peak_memory_bytes'] / 2**20:,.0f} MiB at the envelope corner")
+            extra.append(f"peak memory {units.bytes_iec(m['peak_memory_bytes'])} at the envelope corner")
         if extra:
             click.echo("  " + ", ".join(extra))
         seq = m.get("sequential") or {}
         if seq:
-            click.echo(f"  evaluated {seq['windows']} of {seq['of']} windows ({m.get('tokens', 0):,} tokens)"
+            click.echo(f"  evaluated {units.count(seq['windows'])} of {units.count(seq['of'])} windows "
+                       f"({units.count(m.get('tokens', 0))} tokens)"
                        + (": stopped once every accuracy gate was decided" if seq.get("stopped_early") else "")
-                       + f"; intervals at {seq['confidence_per_look'] * 100:.1f} % per look, "
-                       f"{(1 - seq['alpha']) * 100:.0f} % over {len(seq['looks'])} looks")
+                       + f"; intervals at {units.fraction(seq['confidence_per_look'])} per look, "
+                       f"{units.fraction(1 - seq['alpha'])} over {len(seq['looks'])} looks")
         for t in m.get("tasks") or []:
             iv = t["interval"]
-            click.echo(f"  task {t['task']}: engine {t['engine_accuracy'] * 100:.1f}% vs reference "
-                       f"{t['reference_accuracy'] * 100:.1f}% on {t['items']} items, drop {t['drop_pts']:+.2f} pts "
-                       f"[{iv['low']:+.2f}, {iv['high']:+.2f}], detectable {t['mde_pts']:.2f} pts")
+            click.echo(f"  task {t['task']}: engine {units.fraction(t['engine_accuracy'])} vs reference "
+                       f"{units.fraction(t['reference_accuracy'])} on {units.count(t['items'])} items, drop "
+                       f"{units.points(t['drop_pts'])} [{units.points(iv['low'])}, {units.points(iv['high'])}], "
+                       f"detectable {units.points(t['mde_pts'])}")
         for g in v.get("gates", []):
-            click.echo("  " + gate_line(g))
+            click.echo("  " + units.gate_line(g))
     _print_recipe(v.get("recipe") or {})
     a = out.get("artifact") or {}
     if out.get("digest"):
         click.echo(f"engine {out['digest']}  {a.get('repository')}:{a.get('tag')}  [{a.get('status')}]")
-
-
-def gate_line(g: dict) -> str:
-    """``gate NAME  value [low, high] ≤ threshold  pass|FAIL|UNDECIDED``."""
-    op = "≤" if g["name"].startswith("max_") else "≥"
-    name = g["name"] + (f"[{g['task']}]" if g.get("task") else "")
-    interval = (f" [{g['interval'][0]:.4g}, {g['interval'][1]:.4g}]"
-                + (f" ({g['confidence'] * 100:.3g} %)" if isinstance(g.get("confidence"), (int, float)) else "")
-                if g.get("interval") else "")
-    decision = g.get("decision") or ("pass" if g["passed"] else "fail")
-    word = {"pass": "pass", "fail": "FAIL", "undecided": "UNDECIDED (evaluate more to decide)"}.get(decision, decision)
-    return f"gate {name:<22} {g['value']:>12.4f}{interval} {op} {g['threshold']:<10g} {word}"
 
 
 def _print_recipe(recipe: dict) -> None:
@@ -201,12 +194,13 @@ def _print_recipe(recipe: dict) -> None:
     click.echo(f"recipe {recipe.get('built')}" + (f" (chosen by the {recipe.get('requested')} ladder)" if rungs else ""))
     for r in rungs or []:
         m = r.get("metrics") or {}
-        failed = [g["name"] for g in r.get("gates", []) if not g["passed"]]
+        failed = [units.gate_label(g["name"]) for g in r.get("gates", []) if not g["passed"]]
         secs = r.get("seconds") or {}
-        click.echo(f"  rung {r['recipe']:<15} ppl {m.get('ppl_increase_pct', float('nan')):+7.2f}%  "
-                   f"top-1 {m.get('top1_agreement', float('nan')) * 100:5.1f}%  KL {m.get('mean_kl', float('nan')):.4f}  "
+        click.echo(f"  rung {r['recipe']:<15} perplexity {units.percent(m.get('ppl_increase_pct', math.nan)):>7}  "
+                   f"top-1 {units.fraction(m.get('top1_agreement', math.nan)):>6}  "
+                   f"KL {units.number(m.get('mean_kl', math.nan))}  "
                    f"{'pass' if r.get('passed') else 'FAIL ' + ', '.join(failed)}  "
-                   f"[{r.get('judged_on')}; " + ", ".join(f"{k} {v:.1f}s" for k, v in secs.items()) + "]")
+                   f"[{r.get('judged_on')}; " + ", ".join(f"{k} {units.duration(v)}" for k, v in secs.items()) + "]")
 
 
 @main.command()

@@ -8,6 +8,7 @@ from datetime import timedelta
 import click
 
 from api.cli import _context, main
+from kiln import units
 
 
 @main.command()
@@ -28,7 +29,7 @@ def gc(dry_run: bool, keep: int, older_than_days: float, as_json: bool) -> None:
         return
     verb = "would delete" if dry_run else "deleted"
     click.echo(f"{verb} {len(plan.artifacts)} engine(s), {len(plan.referrers)} referrer(s), "
-               f"{len(plan.stage_outputs)} stage output(s), {len(plan.blobs)} blob(s), {plan.bytes:,} bytes"
+               f"{len(plan.stage_outputs)} stage output(s), {len(plan.blobs)} blob(s), {units.bytes_iec(plan.bytes)}"
                + (f"; kept {len(plan.leased)} blob(s) a running build holds" if plan.leased else "")
                + (f" ({plan.deferred})" if plan.deferred else ""))
     for d in plan.artifacts:

@@ -9,12 +9,13 @@ from pathlib import Path
 import click
 
 from api.cli import main
+from kiln import units
 from kiln.errors import SpecError, ValidationFailed
 from validation import fit as fitting
 
 
 def _pct(v: float | None) -> str:
-    return "   n/a" if v is None else f"{v * 100:5.1f}%"
+    return "n/a" if v is None else units.fraction(v)
 
 
 def _limits(lim: dict) -> str:
@@ -24,13 +25,15 @@ def _limits(lim: dict) -> str:
 def print_report(report: dict, model: str | None) -> None:
     t, c = report["traffic"], report["traffic"]["concurrency"]
     s = report["service_model"]
-    click.echo(f"traffic: {t['requests']:,} request{'s' if t['requests'] != 1 else ''} over {t['window_s']:,.1f} s; prompt p50 {t['prompt_tokens']['p50']} "
-               f"/ p95 {t['prompt_tokens']['p95']} / max {t['prompt_tokens']['max']}; prompt+output p95 "
-               f"{t['total_tokens']['p95']} / max {t['total_tokens']['max']}; concurrency mean {c['mean']:.2f}, "
-               f"p95 {c['p95']}, peak {c['peak']}")
-    click.echo(f"  (a request holds a batch slot for its duration_s, else prompt/{s['prefill_tps']:g} + "
-               f"output/{s['decode_tps']:g} s; "
-               f"threshold {report['threshold'] * 100:g}%)")
+    n = units.number
+    click.echo(f"traffic: {units.count(t['requests'])} request{'s' if t['requests'] != 1 else ''} over "
+               f"{units.duration(t['window_s'])}; prompt p50 {n(t['prompt_tokens']['p50'])} "
+               f"/ p95 {n(t['prompt_tokens']['p95'])} / max {n(t['prompt_tokens']['max'])}; prompt+output p95 "
+               f"{n(t['total_tokens']['p95'])} / max {n(t['total_tokens']['max'])}; concurrency mean {n(c['mean'])}, "
+               f"p95 {n(c['p95'])}, peak {n(c['peak'])}")
+    click.echo(f"  (a request holds a batch slot for its duration_s, else prompt/{n(s['prefill_tps'])} + "
+               f"output/{n(s['decode_tps'])} s; "
+               f"threshold {units.fraction(report['threshold'])})")
     click.echo(f"{'profile':<12} {'batch/input/seq/tokens':<22} {'lengths':>8} {'batch':>8} {'coverage':>9}")
     for p in report["profiles"]:
         mark = "  <- best" if p["name"] == report["best_profile"] else ""
@@ -50,7 +53,7 @@ def print_report(report: dict, model: str | None) -> None:
         if e.get("error"):
             click.echo(f"  {e['digest'][:19]}…  {e['tag']:<28} cannot judge: {e['error']}")
             continue
-        verdict = (f"DRIFT: below {report['threshold'] * 100:g}%, best profile now {report['best_profile']}"
+        verdict = (f"DRIFT: below {units.fraction(report['threshold'])}, best profile now {report['best_profile']}"
                    if e["drifted"] else "fits")
         click.echo(f"  {e['digest'][:19]}…  {e['tag']:<28} {e['profile']:<10} {_limits(e['limits']):<18} "
                    f"lengths {_pct(e['length_coverage'])} batch {_pct(e['batch_coverage'])}  {verdict}")

@@ -1,5 +1,5 @@
 """Build progress for people, on stderr: one line per finished stage, and inside a long stage what it is doing now
-(``validate  evaluation window 37/128  41s``). On a terminal the current step is a live line (rich) that updates
+(``validate  evaluation window 37/128  41.0 s``). On a terminal the current step is a live line (rich) that updates
 in place; elsewhere (a CI log) a plain heartbeat line goes out at most every ``HEARTBEAT_S`` seconds while a stage
 runs, so a log shows a build alive without a line per window. Fed by the pipeline's events in a local build and by
 the event stream with ``--server``: the same lines either way."""
@@ -13,6 +13,7 @@ import time
 import click
 
 from kiln.progress import describe
+from kiln.units import duration
 
 #: a plain (non-terminal) progress line at most this often per stage
 HEARTBEAT_S = 10.0
@@ -45,13 +46,13 @@ class Progress:
         self._stop()
         self.stage = None
         mark = {"ran": "ran   ", "cached": "cached", "skipped": "skip  "}.get(data["status"], data["status"])
-        click.echo(f"  {name:<9} {mark} {data['seconds']:7.2f}s", err=True)
+        click.echo(f"  {name:<9} {mark} {duration(data['seconds']):>10}", err=True)
 
     def _progress(self, data: dict) -> None:
         if data.get("stage") != self.stage:
             return
         elapsed = self.clock() - self.started_at
-        line = f"{self.stage:<9} {describe(data)}  {elapsed:.0f}s"
+        line = f"{self.stage:<9} {describe(data)}  {duration(elapsed)}"
         if self.tty:
             self._show(line)
         elif self.clock() - self.said_at >= HEARTBEAT_S:

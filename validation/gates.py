@@ -19,6 +19,7 @@ import math
 import os
 from typing import Callable
 
+from kiln import units
 from kiln.precisions import PRECISIONS
 from validation.accuracy import GATE_METRIC  # the accuracy gates decided on a window interval
 from validation.stats import PASS, Interval, decide
@@ -57,7 +58,8 @@ def memory_budget(target: str) -> tuple[float, str]:
         size, card = GPU_MEMORY_BUDGETS[target]
         return size, f"default for {target}: {card}"
     ram = physical_memory_bytes()
-    return CPU_MEMORY_FRACTION * ram, f"default for cpu: {CPU_MEMORY_FRACTION:.0%} of this machine's {ram / 2**30:.1f} GiB RAM"
+    return CPU_MEMORY_FRACTION * ram, (f"default for cpu: {CPU_MEMORY_FRACTION:.0%} of this machine's "
+                                       f"{units.bytes_iec(ram)} RAM")
 
 
 def judged_gates(gates: dict[str, float], target: str) -> tuple[dict[str, float], dict[str, str]]:
@@ -152,7 +154,7 @@ def _busy(conditions: dict) -> str | None:
         return None
     load, cpus, wait = conditions.get("load_avg_1m"), conditions.get("cpus"), conditions.get("cpu_wait_pct")
     if isinstance(wait, (int, float)) and wait >= CPU_WAIT_BUSY_PCT:
-        return f"its threads waited for a CPU {wait:g} % of their runnable time"
+        return f"its threads waited for a CPU {units.percent(wait, signed=False)} of their runnable time"
     if isinstance(load, (int, float)) and isinstance(cpus, int) and load > cpus + 1:
         return f"1-minute load {load} on {cpus} CPUs"
     return None

@@ -16,6 +16,7 @@ import xml.etree.ElementTree as ET
 from html import escape
 from typing import Any
 
+from kiln import units
 from validation import svg
 
 REPORT_TYPE = "application/vnd.kiln.validation-report.v1+json"
@@ -96,55 +97,25 @@ def render(doc: dict, fmt: str, *, status: str | None = None) -> str:
     raise ValueError(f"unknown report format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 
-# -- formatting helpers ----------------------------------------------------------------------------
-def _fmt(v: Any, digits: int = 4) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return "∞" if v > 0 else ("−∞" if v < 0 else "NaN")
-        if abs(v) >= 1e4:
-            return f"{v:,.0f}"
-        return f"{v:.{digits}g}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
+# -- formatting helpers: every number through kiln.units -------------------------------------------------------
+_fmt = units.display
+#: the window metric each accuracy gate is decided on (validation.accuracy.GATE_METRIC, which imports torch)
+_GATE_OF_METRIC = {"ppl_increase_pct": "max_ppl_increase_pct", "top1_agreement": "min_top1_agreement",
+                   "mean_kl": "max_mean_kl"}
 
 
-def _bytes(v: Any) -> str:
-    if not isinstance(v, (int, float)):
-        return "—"
-    if not math.isfinite(v):
-        return _fmt(float(v))
-    return f"{v / 2**30:.2f} GiB" if v >= 2**30 else f"{v / 2**20:.1f} MiB"
-
-
-def _gate_value(name: str, v: Any) -> str:
-    return _bytes(v) if name == "max_peak_memory_bytes" else _fmt(v)
-
-
-def _op(name: str) -> str:
-    return "≤" if name.startswith("max_") else "≥"
+def _ms(v: Any) -> str:
+    """A time stored in milliseconds."""
+    return units.duration(v / 1000) if isinstance(v, (int, float)) and not isinstance(v, bool) else units.display(v)
 
 
 def _gate_name(g: dict) -> str:
     return f"{g['name']}[{g['task']}]" if g.get("task") else str(g["name"])
 
 
-def _decision(g: dict) -> str:
-    decision = g.get("decision") or ("pass" if g.get("passed") else "fail")
-    return {"pass": "pass", "fail": "FAIL", "undecided": "UNDECIDED"}.get(decision, str(decision))
-
-
 def _interval(g: dict) -> str:
-    """``[low, high] (98.7 %)``: the interval the gate was decided on, at its confidence."""
-    iv = g.get("interval")
-    if not iv:
-        return "—"
-    conf = f" ({_fmt(g['confidence'] * 100, 3)} %)" if isinstance(g.get("confidence"), (int, float)) else ""
-    return f"[{_gate_value(g['name'], iv[0])}, {_gate_value(g['name'], iv[1])}]{conf}"
+    """``[+2.10%, +3.70%] (99.0%)``: the interval the gate was decided on, at its confidence."""
+    return units.gate_interval(g) or "—"
 
 
 def _not_judged(doc: dict) -> dict[str, str]:
@@ -217,8 +188,9 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
                  f"{escape(str(e.get('kiln')))} ({escape(str(e.get('recipe')))})</p>")
     failed = [g for g in gates if not g.get("passed")]
     if failed:
-        items = "".join(f"<li><b>{escape(g['name'])}</b>: {escape(_gate_value(g['name'], g['value']))} is not "
-                        f"{_op(g['name'])} {escape(_gate_value(g['name'], g['threshold']))}</li>" for g in failed)
+        items = "".join(f"<li><b>{escape(g['name'])}</b> ({escape(units.gate_label(g['name']))}): "
+                        f"{escape(units.gate_value(g['name'], g.get('value')))} is not {units.gate_op(g['name'])} "
+                        f"{escape(units.gate_value(g['name'], g.get('threshold')))}</li>" for g in failed)
         parts.append(f"<p>Failed gates:</p><ul>{items}</ul>")
 
     # gates
@@ -226,11 +198,14 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     for g in gates:
         ok = g.get("passed")
         extra = f" (against <code>{escape(str(g['against'])[:19])}…</code>)" if g.get("against") else ""
-        rows.append([_Html(escape(_gate_name(g)) + extra), _gate_value(g["name"], g["value"]), _interval(g),
-                     f"{_op(g['name'])} {_gate_value(g['name'], g['threshold'])}",
-                     _Html(f'<span class="{"pass-cell" if ok else "fail-cell"}">{escape(_decision(g))}</span>')])
+        label = units.gate_label(g["name"]) + (f" [{g['task']}]" if g.get("task") else "")
+        rows.append([_Html(f"{escape(label)} <code>{escape(_gate_name(g))}</code>" + extra),
+                     units.gate_value(g["name"], g.get("value")), _interval(g),
+                     f"{units.gate_op(g['name'])} {units.gate_value(g['name'], g.get('threshold'))}",
+                     _Html(f'<span class="{"pass-cell" if ok else "fail-cell"}">{escape(units.gate_decision(g))}'
+                           '</span>')])
     for gname, why in _not_judged(doc).items():
-        rows.append([gname, "—", "", "", _Html(f'<span class="skip-cell">not judged: {escape(str(why))}</span>')])
+        rows.append([f"{units.gate_label(gname)} ({gname})", "—", "", "", _Html(f'<span class="skip-cell">not judged: {escape(str(why))}</span>')])
     parts.append("<h2>Gates</h2>" + _table(["gate", "value", "interval", "threshold", "verdict"], rows, (1,)))
     parts.append(_sequential_note(doc))
     parts += _recipe_section(doc.get("quantization") or {})
@@ -250,17 +225,19 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
         delta_rows.append((f"previous {str(prev.get('digest'))[7:19]}", prev.get("ppl_increase_pct"), "previous"))
     if ppl_gate:
         delta_rows.append(("gate (at most)", ppl_gate["threshold"], "reference"))
-    parts.append(svg.hbar_chart("chart-accuracy-delta", "Perplexity increase over the reference", delta_rows, unit="%"))
-    parts.append(f"<p>top-1 agreement with the reference {escape(_fmt(_pct(doc.get('top1_agreement'))))} %, mean "
-                 f"per-token KL {escape(_fmt(doc.get('mean_kl')))}, on {escape(_fmt(doc.get('eval_tokens')))} held-out "
-                 "tokens.</p>")
+    parts.append(svg.hbar_chart("chart-accuracy-delta", "Perplexity increase over the reference", delta_rows,
+                                fmt=units.percent))
+    parts.append(f"<p>top-1 agreement with the reference {escape(units.fraction(doc.get('top1_agreement')))}, mean "
+                 f"per-token KL {escape(units.number(doc.get('mean_kl')))}, on {escape(units.count(doc.get('eval_tokens')))} "
+                 "held-out tokens.</p>")
     parts += _detectable_section(doc)
     parts += _tasks_section(doc.get("tasks") or [])
     if prev:
         parts.append(_table(["", "this engine", "previous engine"], [
             ["perplexity", _fmt(doc.get("perplexity")), _fmt(prev.get("perplexity"))],
-            ["increase over the reference (%)", _fmt(doc.get("ppl_increase_pct")), _fmt(prev.get("ppl_increase_pct"))],
-            ["top-1 agreement", _fmt(doc.get("top1_agreement")), _fmt(prev.get("top1_agreement"))],
+            ["increase over the reference", units.percent(doc.get("ppl_increase_pct")),
+             units.percent(prev.get("ppl_increase_pct"))],
+            ["top-1 agreement", units.fraction(doc.get("top1_agreement")), units.fraction(prev.get("top1_agreement"))],
             ["mean KL", _fmt(doc.get("mean_kl")), _fmt(prev.get("mean_kl"))],
         ], (1, 2)))
 
@@ -280,10 +257,12 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
         parts.append(svg.vbar_chart("chart-throughput-seq", "Forward tokens/s by sequence length (batch 1)",
                                     [str(p["seq_len"]) for p in by_seq], [p["tokens_per_s"] for p in by_seq],
                                     unit="tokens/s", x_label="sequence length", color="#4c51bf"))
-    parts.append(_table(["batch", "sequence", "tokens/s (median)", "tokens/s (best)", "median s", "spread s", "reps"],
-                        [[_fmt(p.get("batch_size")), _fmt(p.get("seq_len")), _fmt(p.get("tokens_per_s")),
-                          _fmt(p.get("tokens_per_s_best")), _fmt(p.get("seconds_median")),
-                          _fmt(p.get("seconds_spread")), _fmt(p.get("reps"))] for p in points], (0, 1, 2, 3, 4, 5, 6)))
+    parts.append(_table(["batch", "sequence", "throughput (median)", "throughput (best)", "time (median)", "spread",
+                         "reps"],
+                        [[_fmt(p.get("batch_size")), _fmt(p.get("seq_len")), units.rate(p.get("tokens_per_s")),
+                          units.rate(p.get("tokens_per_s_best")), units.duration(p.get("seconds_median")),
+                          units.duration(p.get("seconds_spread")), _fmt(p.get("reps"))] for p in points],
+                        (0, 1, 2, 3, 4, 5, 6)))
 
     # latency
     cond = doc.get("conditions") or {}
@@ -291,9 +270,9 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     parts.append("<h2>Generation latency</h2>")
     if lat_cond.get("tpot"):
         parts.append(f'<p class="note">TPOT {escape(lat_cond["tpot"])}.</p>')
-    parts.append(_table(["batch", "prompt", "new tokens", "TTFT ms", "TPOT ms", "decode tokens/s", "reps"],
+    parts.append(_table(["batch", "prompt", "new tokens", "TTFT", "TPOT", "decode", "reps"],
                         [[_fmt(p.get("batch_size")), _fmt(p.get("prompt_len")), _fmt(p.get("new_tokens")),
-                          _fmt(p.get("ttft_ms")), _fmt(p.get("tpot_ms")), _fmt(p.get("decode_tokens_per_s")),
+                          _ms(p.get("ttft_ms")), _ms(p.get("tpot_ms")), units.rate(p.get("decode_tokens_per_s")),
                           _fmt(p.get("reps"))] for p in doc.get("latency") or []], (0, 1, 2, 3, 4, 5, 6)))
 
     # memory
@@ -305,8 +284,9 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     corner = mem_cond.get("corner") or {}
     parts.append("<h2>Peak memory</h2>" + svg.hbar_chart(
         "chart-memory", f"Peak memory at batch {corner.get('batch_size', '—')} × sequence {corner.get('seq_len', '—')}",
-        [(label, (v / 2**20) if isinstance(v, (int, float)) else None, c) for label, v, c in mem_rows], unit="MiB"))
-    parts.append(f"<p>peak {escape(_bytes(doc.get('peak_memory_bytes')))} of a budget of {escape(_bytes(budget))} "
+        [(label, v if isinstance(v, (int, float)) else None, c) for label, v, c in mem_rows], fmt=units.bytes_iec))
+    parts.append(f"<p>peak {escape(units.bytes_iec(doc.get('peak_memory_bytes')))} of a budget of "
+                 f"{escape(units.bytes_iec(budget))} "
                  f"({escape(str((cond.get('gate_sources') or {}).get('max_peak_memory_bytes', '')))}). Measured by: "
                  f"{escape(str(mem_cond.get('method') or '—'))}.</p>")
 
@@ -317,14 +297,15 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
         parts.append(_table(["", "value"], [
             ["previous engine", _Html(f"<code>{escape(str(prev.get('digest')))}</code> "
                                       f"({escape(str(prev.get('status')))}, {escape(str(prev.get('created_at')))})")],
-            ["peak tokens/s, previous → now (best of reps)",
-             f"{_fmt(t.get('previous_peak_tokens_per_s'))} → {_fmt(t.get('peak_tokens_per_s'))}"
+            ["peak throughput, previous → now (best of reps)",
+             f"{units.rate(t.get('previous_peak_tokens_per_s'))} → {units.rate(t.get('peak_tokens_per_s'))}"
              + (" (re-measured)" if t.get("rechecked") else "")],
-            ["throughput drop %", _fmt(reg.get("throughput_drop_pct"))],
-            ["perplexity increase, previous → now (%)",
-             f"{_fmt(prev.get('ppl_increase_pct'))} → {_fmt(doc.get('ppl_increase_pct'))}"],
-            ["accuracy regression (percentage points)", _fmt(reg.get("accuracy_regression_pct"))],
-            ["thresholds", ", ".join(f"{k} {_fmt(v)}" for k, v in (reg.get("thresholds") or {}).items())],
+            ["throughput drop", units.percent(reg.get("throughput_drop_pct"))],
+            ["perplexity increase, previous → now",
+             f"{units.percent(prev.get('ppl_increase_pct'))} → {units.percent(doc.get('ppl_increase_pct'))}"],
+            ["perplexity increase change (percentage points)", units.points(reg.get("accuracy_regression_pct"))],
+            ["thresholds", ", ".join(f"{units.gate_label(k)} {units.gate_value(k, v)}"
+                                     for k, v in (reg.get("thresholds") or {}).items())],
         ]))
     else:
         parts.append("<p>No previous validated engine of this target: nothing to compare with.</p>")
@@ -351,15 +332,6 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
             + "\n</body></html>\n")
 
 
-def _pct(v: Any) -> Any:
-    return v * 100 if isinstance(v, (int, float)) else v
-
-
-# -- JUnit XML -------------------------------------------------------------------------------------
-def _seconds(v: Any) -> str:
-    return f"{v:.1f} s" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
-
-
 def _recipe_section(q: dict) -> list[str]:
     """The recipe built; with ``--recipe auto``, one row per rung the ladder tried."""
     if not q:
@@ -372,10 +344,11 @@ def _recipe_section(q: dict) -> list[str]:
         for r in rungs:
             m = r.get("metrics") or {}
             failed = ", ".join(str(g.get("name")) for g in r.get("gates") or [] if not g.get("passed"))
-            rows.append([r.get("recipe"), _fmt(m.get("ppl_increase_pct")), _fmt(m.get("top1_agreement")),
-                         _fmt(m.get("mean_kl")), r.get("judged_on"), "pass" if r.get("passed") else f"FAIL {failed}",
-                         ", ".join(f"{k} {_seconds(v)}" for k, v in (r.get("seconds") or {}).items())])
-        out.append(_table(["rung", "perplexity increase %", "top-1", "mean KL", "judged on", "verdict", "seconds"],
+            rows.append([r.get("recipe"), units.percent(m.get("ppl_increase_pct")),
+                         units.fraction(m.get("top1_agreement")), units.number(m.get("mean_kl")), r.get("judged_on"),
+                         "pass" if r.get("passed") else f"FAIL {failed}",
+                         ", ".join(f"{k} {units.duration(v)}" for k, v in (r.get("seconds") or {}).items())])
+        out.append(_table(["rung", "perplexity increase", "top-1 agreement", "mean KL", "judged on", "verdict", "time"],
                           rows, (1, 2, 3)))
     return out
 
@@ -388,7 +361,7 @@ def _sequential_note(doc: dict) -> str:
     text = (f"Evaluated {_fmt(seq.get('windows'))} of {_fmt(seq.get('of'))} windows in a fixed random order"
             + (", stopped once every accuracy gate was decided" if seq.get("stopped_early") else "")
             + f". Looks planned at {', '.join(str(x) for x in looks)} windows; each look's interval is at "
-            f"{_fmt(_pct(seq.get('confidence_per_look')))} % so that all looks together err with probability ≤ "
+            f"{units.fraction(seq.get('confidence_per_look'))} so that all looks together err with probability ≤ "
             f"{_fmt(seq.get('alpha'))}. UNDECIDED: the interval straddles the threshold, so this evaluation cannot "
             "tell; it does not pass.")
     return f'<p class="note">{escape(text)}</p>'
@@ -403,8 +376,12 @@ def _detectable_section(doc: dict) -> list[str]:
     rows = []
     for name, iv in intervals.items():
         m = mde.get(name) or {}
-        rows.append([name, _fmt(iv.get("value")), f"[{_fmt(iv.get('low'))}, {_fmt(iv.get('high'))}]",
-                     _fmt(m.get("paired")), _fmt(m.get("windows")), _fmt(m.get("unpaired_windows_needed"))])
+        gate = _GATE_OF_METRIC.get(name, name)
+
+        def show(v: Any, gate: str = gate) -> str:
+            return units.gate_value(gate, v)
+        rows.append([units.gate_label(gate), show(iv.get("value")), f"[{show(iv.get('low'))}, {show(iv.get('high'))}]",
+                     show(m.get("paired")), _fmt(m.get("windows")), _fmt(m.get("unpaired_windows_needed"))])
     return [_table(["metric", "value", "interval (at the last look's confidence)", "smallest detectable change (paired)", "windows",
                     "windows an unpaired test would need"], rows, (1, 3, 4, 5))]
 
@@ -412,13 +389,14 @@ def _detectable_section(doc: dict) -> list[str]:
 def _tasks_section(tasks: list[dict]) -> list[str]:
     if not tasks:
         return []
-    rows = [[t.get("task"), _fmt(t.get("items")), _fmt(_pct(t.get("engine_accuracy"))),
-             _fmt(_pct(t.get("reference_accuracy"))), _fmt(t.get("drop_pts")),
-             f"[{_fmt((t.get('interval') or {}).get('low'))}, {_fmt((t.get('interval') or {}).get('high'))}]",
-             _fmt(t.get("mde_pts")), _fmt(t.get("unpaired_items_needed")),
+    rows = [[t.get("task"), _fmt(t.get("items")), units.fraction(t.get("engine_accuracy")),
+             units.fraction(t.get("reference_accuracy")), units.points(t.get("drop_pts")),
+             f"[{units.points((t.get('interval') or {}).get('low'))}, "
+             f"{units.points((t.get('interval') or {}).get('high'))}]",
+             units.points(t.get("mde_pts")), _fmt(t.get("unpaired_items_needed")),
              f"{_fmt(t.get('engine_only_correct'))} / {_fmt(t.get('reference_only_correct'))}"] for t in tasks]
     return ["<h2>Tasks</h2>", _table(
-        ["task", "items", "engine accuracy %", "reference accuracy %", "drop (points)", "95 % interval",
+        ["task", "items", "engine accuracy", "reference accuracy", "drop", "95% interval",
          "smallest detectable drop", "items an unpaired test would need", "only engine / only reference right"],
         rows, (1, 2, 3, 4, 6, 7))]
 
@@ -444,14 +422,16 @@ def render_junit(doc: dict) -> str:
         ET.SubElement(props, "property", name=k, value=str(v))
     for g in gates:
         case = ET.SubElement(suite, "testcase", classname=suite_name, name=_gate_name(g), time="0")
-        detail = (f"{_gate_name(g)}: value {_gate_value(g['name'], g['value'])} {_op(g['name'])} threshold "
-                  f"{_gate_value(g['name'], g['threshold'])}")
+        op = units.gate_op(g["name"])
+        detail = (f"{_gate_name(g)} ({units.gate_label(g['name'])}): value "
+                  f"{units.gate_value(g['name'], g.get('value'))} {op} threshold "
+                  f"{units.gate_value(g['name'], g.get('threshold'))}")
         if g.get("interval"):
-            detail += f", interval {_interval(g)}: {_decision(g)}"
+            detail += f", interval {_interval(g)}: {units.gate_decision(g)}"
         if g.get("against"):
             detail += f" (against the previous engine {g['against']})"
         if not g.get("passed"):
-            failure = ET.SubElement(case, "failure", message=detail.replace(f" {_op(g['name'])} ", " violates "),
+            failure = ET.SubElement(case, "failure", message=detail.replace(f" {op} ", " violates "),
                                     type="GateFailed")
             failure.text = detail
         else:

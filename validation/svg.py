@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 from html import escape
+from typing import Callable
+
+from kiln import units
 
 WIDTH = 640
 FONT = 'font-family="system-ui, sans-serif" font-size="12"'
@@ -12,11 +15,7 @@ COLORS = {"engine": "#2b6cb0", "reference": "#718096", "previous": "#b7791f", "f
 
 
 def _num(v: float) -> str:
-    if v is None or not math.isfinite(v):
-        return "∞" if v == math.inf else "n/a"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    return units.number(v)
 
 
 def _svg(chart_id: str, title: str, height: int, body: list[str]) -> str:
@@ -53,8 +52,9 @@ def vbar_chart(chart_id: str, title: str, labels: list[str], values: list[float]
 
 
 def hbar_chart(chart_id: str, title: str, rows: list[tuple[str, float, str]], *, unit: str = "",
-               note: str = "") -> str:
-    """Horizontal bars: rows of (label, value, color name or #hex)."""
+               note: str = "", fmt: Callable[[float], str] | None = None) -> str:
+    """Horizontal bars: rows of (label, value, color name or #hex); each value shown by ``fmt`` (a kiln.units
+    formatter) or as a plain number followed by ``unit``."""
     top, row_h, left = 30, 28, 190
     height = top + row_h * max(1, len(rows)) + (28 if note else 12)
     plot_w = WIDTH - left - 90
@@ -67,10 +67,11 @@ def hbar_chart(chart_id: str, title: str, rows: list[tuple[str, float, str]], *,
         if v == math.inf:
             w = plot_w
         fill = COLORS.get(color, color)
+        shown = fmt(v) if fmt else f"{_num(v)} {unit}".rstrip()
         body.append(f'<text x="{left - 8}" y="{y + 17}" text-anchor="end">{escape(label)}</text>')
         body.append(f'<rect x="{left}" y="{y + 4}" width="{w:.1f}" height="{row_h - 10}" fill="{fill}">'
-                    f'<title>{escape(label)}: {escape(_num(v))} {escape(unit)}</title></rect>')
-        body.append(f'<text x="{left + w + 6:.1f}" y="{y + 17}">{escape(_num(v))} {escape(unit)}</text>')
+                    f'<title>{escape(label)}: {escape(shown)}</title></rect>')
+        body.append(f'<text x="{left + w + 6:.1f}" y="{y + 17}">{escape(shown)}</text>')
     if note:
         body.append(f'<text x="8" y="{height - 8}" fill="#4a5568">{escape(note)}</text>')
     return _svg(chart_id, title, height, body)
@@ -90,9 +91,9 @@ def timeline(chart_id: str, title: str, stages: list[tuple[str, float, str]]) ->
         fill = "#a0aec0" if status == "cached" else COLORS["engine"]
         body.append(f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{escape(name)}</text>')
         body.append(f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row_h - 8}" fill="{fill}">'
-                    f'<title>{escape(name)} {escape(status)}: {seconds:.2f} s</title></rect>')
-        body.append(f'<text x="{x + w + 6:.1f}" y="{y + 15}">{seconds:.2f} s {escape(status)}</text>')
+                    f'<title>{escape(name)} {escape(status)}: {escape(units.duration(seconds))}</title></rect>')
+        body.append(f'<text x="{x + w + 6:.1f}" y="{y + 15}">{escape(units.duration(seconds))} {escape(status)}</text>')
         start += max(0.0, seconds)
-    body.append(f'<text x="{left}" y="{height - 6}" fill="#4a5568">total {total:.2f} s (publish not included: the '
+    body.append(f'<text x="{left}" y="{height - 6}" fill="#4a5568">total {escape(units.duration(total))} (publish not included: the '
                 f'report is written during it)</text>')
     return _svg(chart_id, title, height, body)

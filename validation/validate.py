@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from kiln import units
 from kiln.errors import SpecError, ValidationFailed
 from kiln.spec import BuildSpec
 from validation.gates import MEMORY_GATE, TASK_GATE, evaluate, judged_gates, regression
@@ -233,7 +234,7 @@ def judge_naming(sessions, spec: BuildSpec, data: dict | None, engine, gates: di
                              override_reason=spec.override_reason)
     failed = [v for v in verdicts if not v["passed"]]
     if failed:
-        what = "; ".join(f"{v['name']} {v['value']:.2f} > {v['threshold']}" for v in failed)
+        what = "; ".join(f"{v['name']}: {units.gate_line(v)}" for v in failed)
         raise ValidationFailed(
             f"{engine.repository}'s engine {engine.digest} (the same build) regresses against "
             f"{spec.model_name}'s previous engine {previous['digest']}: {what}", field="gates",

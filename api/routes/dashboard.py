@@ -15,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.deps import SessionDep
+from kiln import units
 from kiln.digests import parse_digest
 from kiln.errors import ArtifactUnknown, SpecError
 from kiln.models import Artifact, Tag
@@ -131,8 +132,8 @@ def svg_chart(series: list[tuple[int, float]], *, title: str, x_label: str, y_la
         pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
         out.append(f'<polyline points="{pts}" fill="none" stroke="#2563eb" stroke-width="2"/>')
     for (xv, yv), x, y in zip(series, xs, ys):
-        out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="#2563eb"><title>{xv}: {yv:,.0f} tokens/s</title></circle>')
-        out.append(f'<text x="{x:.1f}" y="{y - 8:.1f}" text-anchor="middle" fill="#1f2933">{yv:,.0f}</text>')
+        out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="#2563eb"><title>{xv}: {units.rate(yv)}</title></circle>')
+        out.append(f'<text x="{x:.1f}" y="{y - 8:.1f}" text-anchor="middle" fill="#1f2933">{units.count(yv)}</text>')
     out.append(f'<text x="{left + pw / 2}" y="{height - 10}" text-anchor="middle" fill="#3e4c59">{e(x_label)}</text>')
     out.append(f'<text transform="translate(14 {top + ph / 2}) rotate(-90)" text-anchor="middle" fill="#3e4c59">'
                f'{e(y_label)}</text>')
@@ -162,19 +163,21 @@ def _report_page(row: Artifact) -> str:
     v = row.validation or {}
     m = v.get("metrics") or {}
     rows = []
-    for key, label, fmt in (("perplexity", "perplexity", "{:.3f}"), ("reference_perplexity", "reference perplexity", "{:.3f}"),
-                            ("ppl_increase_pct", "perplexity increase", "{:+.2f} %"),
-                            ("top1_agreement", "top-1 agreement", "{:.1%}"), ("mean_kl", "mean KL", "{:.4f}"),
-                            ("tokens", "evaluation tokens", "{:,}")):
+    for key, label, fmt in (("perplexity", "perplexity", units.number),
+                            ("reference_perplexity", "reference perplexity", units.number),
+                            ("ppl_increase_pct", "perplexity increase", units.percent),
+                            ("top1_agreement", "top-1 agreement", units.fraction), ("mean_kl", "mean KL", units.number),
+                            ("tokens", "evaluation tokens", units.count)):
         if isinstance(m.get(key), (int, float)):
-            rows.append(f"<tr><th>{e(label)}</th><td>{e(fmt.format(m[key]))}</td></tr>")
+            rows.append(f"<tr><th>{e(label)}</th><td>{e(fmt(m[key]))}</td></tr>")
     gates = "".join(
-        f"<tr><td>{e(str(g.get('name')))}</td><td>{e(str(g.get('value')))}</td><td>{e(str(g.get('threshold')))}</td>"
+        f"<tr><td>{e(units.gate_label(str(g.get('name'))))}</td><td>{e(units.gate_value(str(g.get('name')), g.get('value')))}</td>"
+        f"<td>{e(units.gate_op(str(g.get('name'))) + ' ' + units.gate_value(str(g.get('name')), g.get('threshold')))}</td>"
         f"<td class=\"{'pass' if g.get('passed') else 'fail'}\">{'pass' if g.get('passed') else 'FAIL'}</td></tr>"
         for g in v.get("gates") or [] if isinstance(g, dict))
     points = "".join(
         f"<tr><td>{e(str(p.get('batch_size')))}</td><td>{e(str(p.get('seq_len')))}</td>"
-        f"<td>{e(format(p.get('tokens_per_s', 0), ',.0f'))}</td></tr>"
+        f"<td>{e(units.rate(p.get('tokens_per_s')))}</td></tr>"
         for p in m.get("throughput") or [] if isinstance(p, dict))
     verdict = "PASSED" if v.get("passed") else "FAILED"
     return (

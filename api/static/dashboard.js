@@ -3,6 +3,7 @@
 // Every value from the API goes into the page through textContent or attributes, never as HTML.
 "use strict";
 
+const U = KilnUnits;  // the one number formatter (units.js, twin of kiln/units.py)
 const STAGES = ["resolve", "quantize", "compile", "validate", "publish"];
 const POLL_MS = 2500;
 const state = { timer: null, token: localStorage.getItem("kiln.token") || "", showInactive: true, activeOnly: false };
@@ -73,27 +74,16 @@ function ago(iso) {
   return Math.round(s / 86400) + " d ago";
 }
 
-function secs(v) {
-  if (v === null || v === undefined || !isFinite(v)) return "";
-  if (v < 60) return v.toFixed(v < 10 ? 2 : 1) + " s";
-  return Math.floor(v / 60) + " min " + Math.round(v % 60) + " s";
-}
+function secs(v) { return (v === null || v === undefined) ? "" : U.duration(v); }
 
 function duration(b) {
   if (!b.started_at) return "";
   const end = b.finished_at ? parseTime(b.finished_at) : Date.now();
-  return secs((end - parseTime(b.started_at)) / 1000);
+  const s = (end - parseTime(b.started_at)) / 1000;
+  return isFinite(s) ? U.duration(Math.max(0, s)) : "";
 }
 
-function bytes(n) {
-  if (!n && n !== 0) return "";
-  const units = ["B", "KB", "MB", "GB", "TB"];
-  let i = 0;
-  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
-  return n.toFixed(i ? 1 : 0) + " " + units[i];
-}
-
-function pct(v, digits) { return (v === null || v === undefined) ? "" : (v * 100).toFixed(digits === undefined ? 1 : digits) + " %"; }
+function bytes(n) { return (n === null || n === undefined) ? "" : U.bytesIec(n); }
 
 function profileName(spec) {
   const p = spec && spec.profile;
@@ -253,20 +243,16 @@ function dl(pairs) {
 }
 
 function metricsTable(m) {
-  const rows = [["perplexity", m.perplexity, (v) => v.toFixed(3)],
-    ["reference perplexity", m.reference_perplexity, (v) => v.toFixed(3)],
-    ["perplexity increase", m.ppl_increase_pct, (v) => (v >= 0 ? "+" : "") + v.toFixed(2) + " %"],
-    ["top-1 agreement", m.top1_agreement, (v) => pct(v)],
-    ["mean KL", m.mean_kl, (v) => v.toFixed(4)],
-    ["evaluation tokens", m.tokens, (v) => v.toLocaleString()]].filter((r) => typeof r[1] === "number");
+  const rows = [["perplexity", m.perplexity, U.number],
+    ["reference perplexity", m.reference_perplexity, U.number],
+    ["perplexity increase", m.ppl_increase_pct, U.percent],
+    ["top-1 agreement", m.top1_agreement, U.fraction],
+    ["mean KL", m.mean_kl, U.number],
+    ["peak memory", m.peak_memory_bytes, U.bytesIec],
+    ["TTFT", m.ttft_ms, (v) => U.duration(v / 1000)],
+    ["TPOT", m.tpot_ms, (v) => U.duration(v / 1000)],
+    ["evaluation tokens", m.tokens, U.count]].filter((r) => typeof r[1] === "number");
   return h("table", { id: "metrics" }, h("tbody", null, rows.map(([k, v, f]) => h("tr", null, h("th", null, k), h("td", { class: "num" }, f(v))))));
-}
-
-function gateValue(name, v) {
-  if (typeof v !== "number") return String(v);
-  if (name.endsWith("_bytes")) return bytes(v);
-  if (Math.abs(v) >= 1000) return Math.round(v).toLocaleString();
-  return String(Number(v.toFixed(4)));
 }
 
 function gatesTable(gates) {
@@ -274,11 +260,10 @@ function gatesTable(gates) {
   return h("table", { id: "gates" },
     h("thead", null, h("tr", null, ["gate", "value", "interval", "threshold", ""].map((t) => h("th", null, t)))),
     h("tbody", null, gates.map((g) => h("tr", null,
-      h("td", { class: "mono" }, g.name + (g.task ? "[" + g.task + "]" : "")),
-      h("td", { class: "num" }, gateValue(g.name, g.value)),
-      h("td", { class: "num" }, g.interval ? "[" + gateValue(g.name, g.interval[0]) + ", " + gateValue(g.name, g.interval[1]) + "]" +
-        (typeof g.confidence === "number" ? " (" + Number((g.confidence * 100).toFixed(1)) + " %)" : "") : ""),
-      h("td", { class: "num" }, (g.name.startsWith("max_") ? "≤ " : "≥ ") + gateValue(g.name, g.threshold)),
+      h("td", { title: g.name, "data-gate": g.name }, U.gateLabel(g.name) + (g.task ? " [" + g.task + "]" : "")),
+      h("td", { class: "num" }, U.gateValue(g.name, g.value)),
+      h("td", { class: "num" }, U.gateInterval(g)),
+      h("td", { class: "num" }, U.gateOp(g.name) + " " + U.gateValue(g.name, g.threshold)),
       h("td", null, badge(g.decision || (g.passed ? "pass" : "fail")))))));
 }
 
@@ -287,28 +272,28 @@ function sequentialNote(m) {
   if (!s) return null;
   return h("p", { class: "sub", id: "sequential" }, "evaluated " + s.windows + " of " + s.of + " windows" +
     (s.stopped_early ? " (stopped once every accuracy gate was decided; " + (s.of - s.windows) + " skipped)" : "") +
-    "; intervals at " + (s.confidence_per_look * 100).toFixed(1) + " % per look over " + s.looks.length + " looks");
+    "; intervals at " + U.fraction(s.confidence_per_look) + " per look over " + s.looks.length + " looks");
 }
 
 function tasksTable(tasks) {
   if (!tasks || !tasks.length) return null;
-  const iv = (t) => "[" + t.interval.low.toFixed(2) + ", " + t.interval.high.toFixed(2) + "]";
+  const iv = (t) => "[" + U.points(t.interval.low) + ", " + U.points(t.interval.high) + "]";
   return h("table", { id: "tasks" },
-    h("thead", null, h("tr", null, ["task", "items", "engine", "reference", "drop (pts)", "95 % interval", "detectable"]
+    h("thead", null, h("tr", null, ["task", "items", "engine", "reference", "drop", "95% interval", "detectable"]
       .map((t) => h("th", null, t)))),
     h("tbody", null, tasks.map((t) => h("tr", null, h("td", { class: "mono" }, t.task),
-      h("td", { class: "num" }, t.items), h("td", { class: "num" }, pct(t.engine_accuracy)),
-      h("td", { class: "num" }, pct(t.reference_accuracy)), h("td", { class: "num" }, t.drop_pts.toFixed(2)),
-      h("td", { class: "num" }, iv(t)), h("td", { class: "num" }, t.mde_pts.toFixed(2))))));
+      h("td", { class: "num" }, U.count(t.items)), h("td", { class: "num" }, U.fraction(t.engine_accuracy)),
+      h("td", { class: "num" }, U.fraction(t.reference_accuracy)), h("td", { class: "num" }, U.points(t.drop_pts)),
+      h("td", { class: "num" }, iv(t)), h("td", { class: "num" }, U.points(t.mde_pts))))));
 }
 
 function throughputTable(points) {
   if (!points || !points.length) return null;
   return h("table", { id: "throughput" },
-    h("thead", null, h("tr", null, ["batch", "sequence", "tokens/s", "median s"].map((t) => h("th", null, t)))),
-    h("tbody", null, points.slice().sort((x, y) => x.batch_size - y.batch_size || x.seq_len - y.seq_len).map((p) => h("tr", null, h("td", { class: "num" }, p.batch_size), h("td", { class: "num" }, p.seq_len),
-      h("td", { class: "num" }, Math.round(p.tokens_per_s).toLocaleString()),
-      h("td", { class: "num" }, typeof p.seconds_median === "number" ? p.seconds_median.toFixed(4) : "")))));
+    h("thead", null, h("tr", null, ["batch", "sequence", "throughput", "time (median)"].map((t) => h("th", null, t)))),
+    h("tbody", null, points.slice().sort((x, y) => x.batch_size - y.batch_size || x.seq_len - y.seq_len).map((p) => h("tr", null, h("td", { class: "num" }, U.count(p.batch_size)), h("td", { class: "num" }, U.count(p.seq_len)),
+      h("td", { class: "num" }, U.rate(p.tokens_per_s)),
+      h("td", { class: "num" }, typeof p.seconds_median === "number" ? U.duration(p.seconds_median) : "")))));
 }
 
 async function renderEngine(view, digest) {

@@ -82,6 +82,17 @@ def test_static_files_reference_nothing_outside_the_api():
         assert ".innerHTML" not in text, f"{p}: API values must go in as text"
 
 
+def test_the_dashboard_formats_numbers_only_through_units_js(app_env):
+    """units.js (the twin of kiln/units.py) loads before dashboard.js, which keeps no number formatter of its own."""
+    client, _ = app_env
+    page = client.get("/").text
+    assert page.index('<script src="/static/units.js">') < page.index('<script src="/static/dashboard.js">')
+    assert "KilnUnits" in client.get("/static/units.js").text
+    js = (STATIC / "dashboard.js").read_text()
+    for own in ("toFixed", "toPrecision", "toLocaleString", '"KB"', '"MB"', '"GB"', "Math.round(p."):
+        assert own not in js, own
+
+
 def test_static_files_are_package_data():
     import tomllib
 

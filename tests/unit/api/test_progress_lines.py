@@ -34,8 +34,8 @@ def test_a_ci_log_gets_a_heartbeat_line_every_ten_seconds_and_the_stage_line(cap
     err = capsys.readouterr().err.splitlines()
     beats = [line for line in err if "evaluation window" in line]
     assert len(beats) == int(64 // HEARTBEAT_S)
-    assert beats[0] == "  validate  evaluation window 10/64  10s"
-    assert err[-1].split() == ["validate", "ran", "64.00s"]
+    assert beats[0] == "  validate  evaluation window 10/64  10.0 s"
+    assert err[-1].split() == ["validate", "ran", "1", "min", "04", "s"]
 
 
 def test_a_quick_stage_prints_no_heartbeat(capsys):
@@ -43,7 +43,7 @@ def test_a_quick_stage_prints_no_heartbeat(capsys):
     p = Progress(quiet=False, tty=False, clock=clock)
     for kind, data in events("compile", 5, 1.0, clock):
         p(kind, data)
-    assert capsys.readouterr().err.splitlines() == ["  compile   ran       5.00s"]
+    assert capsys.readouterr().err.splitlines() == ["  compile   ran        5.00 s"]
 
 
 def test_progress_of_another_stage_or_when_quiet_prints_nothing(capsys):
@@ -81,8 +81,8 @@ def test_a_terminal_gets_one_live_line_that_is_replaced_then_the_stage_line(monk
     p = Progress(quiet=False, tty=True, clock=clock)
     for kind, data in events("validate", 3, 2.0, clock):
         p(kind, data)
-    assert shown == [("start", "  validate  … running"), ("update", "  validate  evaluation window 1/3  2s"),
-                     ("update", "  validate  evaluation window 2/3  4s"), ("update", "  validate  evaluation window 3/3  6s"),
+    assert shown == [("start", "  validate  … running"), ("update", "  validate  evaluation window 1/3  2.00 s"),
+                     ("update", "  validate  evaluation window 2/3  4.00 s"), ("update", "  validate  evaluation window 3/3  6.00 s"),
                      ("stop", None)]
     assert p.live is None
 

@@ -167,7 +167,7 @@ def test_html_puts_the_verdict_first_and_draws_every_chart(passing):
     assert len(charts["chart-throughput"].findall(f"{ns}rect")) == 2  # batch 1 and 2 at max_input_len
     assert len(charts["chart-timeline"].findall(f"{ns}rect")) == 4  # one bar per stage
     assert len(charts["chart-accuracy"].findall(f"{ns}rect")) == 2  # reference and this engine (no previous)
-    assert "TPOT ms" in html and "index status: fresh" in html and "interval" in html
+    assert "TPOT" in html and "index status: fresh" in html and "interval" in html
 
 
 def test_html_is_self_contained(passing, failing):
@@ -258,7 +258,7 @@ def test_the_report_shows_every_rung_the_ladder_tried_escaped(real):
     section = section[:section.index("<h2>", 5)]
     assert "fp8-pcpt" in section and "requested <code>auto</code>" in section
     assert section.count("<tr>") == 3  # the header and one row per rung
-    assert "FAIL max_ppl_increase_pct" in section and "3.51" in section and "screen 9.0 s" in section
+    assert "FAIL max_ppl_increase_pct" in section and "3.51" in section and "screen 9.00 s" in section
     assert "<script>" not in section and "&lt;script&gt;" in section
 
 
@@ -274,8 +274,35 @@ def test_an_undecided_gate_shows_its_interval_and_fails_in_every_format(passing)
     gate.update(value=2.9, interval=[2.1, 3.7], confidence=0.99, decision="undecided", passed=False)
     doc["passed"], doc["verdict"] = False, "fail"
     html = render_html(doc)
-    assert "[2.1, 3.7] (99 %)" in html and "UNDECIDED" in html
+    assert "[+2.10%, +3.70%] (99.0%)" in html and "UNDECIDED" in html
     junit = ET.fromstring(render_junit(doc))
     [case] = [c for c in junit.iter("testcase") if c.get("name") == "max_ppl_increase_pct"]
     failure = case.find("failure")
-    assert failure is not None and "interval [2.1, 3.7] (99 %): UNDECIDED" in failure.text
+    assert failure is not None and "interval [+2.10%, +3.70%] (99.0%): UNDECIDED" in failure.text
+
+
+def test_every_number_a_person_reads_goes_through_kiln_units():
+    """IEC bytes, percentages, rates and durations in the HTML and in JUnit's messages; the JSON stays raw."""
+    from validation.accuracy import GATE_METRIC
+    from validation.report import _GATE_OF_METRIC
+
+    assert _GATE_OF_METRIC == {metric: gate for gate, metric in GATE_METRIC.items()}
+    validation = {"passed": False, "metrics": {
+        "ppl_increase_pct": 0.3365, "top1_agreement": 0.9424, "mean_kl": 0.0077, "tokens": 2048,
+        "peak_memory_bytes": 44453888.0, "throughput": [{"batch_size": 1, "seq_len": 64, "tokens_per_s": 30307.4,
+                                                         "seconds_median": 0.00211}],
+        "latency": [{"batch_size": 1, "prompt_len": 48, "new_tokens": 16, "ttft_ms": 12.34, "tpot_ms": 3.2}]},
+        "gates": [{"name": "max_peak_memory_bytes", "value": 44453888.0, "threshold": 1.89571e10, "passed": True},
+                  {"name": "min_top1_agreement", "value": 0.9424, "threshold": 0.95, "passed": False}]}
+    doc = doc_of({"stages": [{"name": "validate", "status": "ran", "seconds": 245.0}]}, validation)
+    html = render_html(doc)
+    for text in ("42.4 MiB", "≤ 17.7 GiB", "94.2%", "≥ 95.0%", "30,307 tokens/s", "2.11 ms", "12.3 ms",
+                 "on 2,048 held-out tokens", "+0.34%", "4 min 05 s", "peak memory <code>max_peak_memory_bytes</code>"):
+        assert text in html, text
+    assert "e+" not in body_of(html) and "MB" not in html
+    junit = ET.fromstring(render_junit(doc).split("\n", 1)[1])
+    failure = junit.find(".//testcase[@name='min_top1_agreement']/failure")
+    assert failure.get("message") == "min_top1_agreement (top-1 agreement): value 94.2% violates threshold 95.0%"
+    out = junit.find(".//testcase[@name='max_peak_memory_bytes']/system-out")
+    assert out.text == "max_peak_memory_bytes (peak memory): value 42.4 MiB ≤ threshold 17.7 GiB"
+    assert json.loads(to_json(doc))["gates"][0]["value"] == 44453888.0  # machines get the raw value

@@ -1,0 +1,43 @@
+"""``kiln build``'s summary on stdout: every number through kiln/units.py, gate lines that read like
+``peak memory 42.4 MiB ≤ 17.7 GiB  pass``."""
+
+from __future__ import annotations
+
+from api.cli import _print_summary
+
+OUT = {
+    "cache_hit": False, "status": "succeeded", "digest": "sha256:" + "0a" * 32,
+    "artifact": {"repository": "tiny-llama", "tag": "fp8-cpu-latency", "status": "fresh"},
+    "validation": {
+        "passed": True,
+        "metrics": {"perplexity": 41.264, "reference_perplexity": 41.126, "ppl_increase_pct": 0.3365,
+                    "top1_agreement": 0.9424, "mean_kl": 0.0077, "tokens": 2048, "ttft_ms": 12.34,
+                    "peak_memory_bytes": 44453888.0,
+                    "throughput": [{"batch_size": 1, "seq_len": 64, "tokens_per_s": 30307.4}],
+                    "sequential": {"windows": 16, "of": 128, "stopped_early": True, "confidence_per_look": 0.993,
+                                   "alpha": 0.05, "looks": [1, 2, 3, 4, 5, 6, 7]}},
+        "gates": [{"name": "min_top1_agreement", "value": 0.9424, "threshold": 0.85, "passed": True,
+                   "decision": "pass", "interval": [0.9284, 0.9564], "confidence": 0.993},
+                  {"name": "min_throughput_tps", "value": 30307.4, "threshold": 1.0, "passed": True},
+                  {"name": "max_peak_memory_bytes", "value": 44453888.0, "threshold": 1.89571e10, "passed": True}],
+        "recipe": {"requested": "auto", "built": "fp8", "ladder": [
+            {"recipe": "fp8", "passed": True, "judged_on": "screen", "seconds": {"quantize": 16.04, "screen": 245},
+             "metrics": {"ppl_increase_pct": 0.3365, "top1_agreement": 0.9424, "mean_kl": 0.0077}, "gates": []}]},
+    },
+}
+
+
+def test_the_summary_reads_like_a_sentence(capsys):
+    _print_summary(OUT)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("validation PASSED: perplexity 41.26 vs reference 41.13 (+0.34%), top-1 agreement 94.2%, "
+                        "mean KL 0.0077, peak 30,307 tokens/s")
+    assert lines[1] == "  TTFT 12.3 ms, peak memory 42.4 MiB at the envelope corner"
+    assert lines[2] == ("  evaluated 16 of 128 windows (2,048 tokens): stopped once every accuracy gate was decided; "
+                        "intervals at 99.3% per look, 95.0% over 7 looks")
+    assert lines[3:6] == ["  top-1 agreement 94.2% [92.8%, 95.6%] (99.3%) ≥ 85.0%  pass",
+                          "  throughput 30,307 tokens/s ≥ 1.00 tokens/s  pass",
+                          "  peak memory 42.4 MiB ≤ 17.7 GiB  pass"]
+    assert "4 min 05 s" in lines[7] and "16.0 s" in lines[7] and "+0.34%" in lines[7]
+    assert lines[-1].startswith("engine sha256:0a0a")
+    assert "e+" not in "\n".join(lines) and "MB" not in "\n".join(lines)
