@@ -175,7 +175,9 @@ def _print_summary(out: dict) -> None:
         for t in m.get("tasks") or []:
             iv = t["interval"]
             click.echo(f"  task {t['task']}: engine {units.fraction(t['engine_accuracy'])} vs reference "
-                       f"{units.fraction(t['reference_accuracy'])} on {units.count(t['items'])} items, drop "
+                       f"{units.fraction(t['reference_accuracy'])} on {units.count(t['items'])}"
+                       + (f" of {units.count(t['total'])}" if t.get("total", t["items"]) != t["items"] else "")
+                       + " items, drop "
                        f"{units.points(t['drop_pts'])} [{units.points(iv['low'])}, {units.points(iv['high'])}], "
                        f"detectable {units.points(t['mde_pts'])}")
         for g in v.get("gates", []):

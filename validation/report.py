@@ -389,16 +389,24 @@ def _detectable_section(doc: dict) -> list[str]:
 def _tasks_section(tasks: list[dict]) -> list[str]:
     if not tasks:
         return []
-    rows = [[t.get("task"), _fmt(t.get("items")), units.fraction(t.get("engine_accuracy")),
+    rows = [[t.get("task"), _items(t), units.fraction(t.get("engine_accuracy")),
              units.fraction(t.get("reference_accuracy")), units.points(t.get("drop_pts")),
              f"[{units.points((t.get('interval') or {}).get('low'))}, "
-             f"{units.points((t.get('interval') or {}).get('high'))}]",
+             f"{units.points((t.get('interval') or {}).get('high'))}]"
+             + (f" ({units.fraction((t.get('interval') or {}).get('confidence'))})"
+                if isinstance((t.get('interval') or {}).get('confidence'), (int, float)) else ""),
              units.points(t.get("mde_pts")), _fmt(t.get("unpaired_items_needed")),
              f"{_fmt(t.get('engine_only_correct'))} / {_fmt(t.get('reference_only_correct'))}"] for t in tasks]
     return ["<h2>Tasks</h2>", _table(
-        ["task", "items", "engine accuracy", "reference accuracy", "drop", "95% interval",
+        ["task", "items evaluated", "engine accuracy", "reference accuracy", "drop", "interval",
          "smallest detectable drop", "items an unpaired test would need", "only engine / only reference right"],
         rows, (1, 2, 3, 4, 6, 7))]
+
+
+def _items(t: dict) -> str:
+    """``64 of 200`` (sequential evaluation stopped once the task gate was decided) or ``200``."""
+    n, total = t.get("items"), t.get("total")
+    return f"{_fmt(n)} of {_fmt(total)}" if isinstance(total, int) and total != n else _fmt(n)
 
 
 def render_junit(doc: dict) -> str:

@@ -277,12 +277,15 @@ function sequentialNote(m) {
 
 function tasksTable(tasks) {
   if (!tasks || !tasks.length) return null;
-  const iv = (t) => "[" + U.points(t.interval.low) + ", " + U.points(t.interval.high) + "]";
+  const iv = (t) => "[" + U.points(t.interval.low) + ", " + U.points(t.interval.high) + "]"
+    + (typeof t.interval.confidence === "number" ? " (" + U.fraction(t.interval.confidence) + ")" : "");
+  // sequential evaluation: "64 of 200" when the task gate was decided before every item ran
+  const items = (t) => U.count(t.items) + (typeof t.total === "number" && t.total !== t.items ? " of " + U.count(t.total) : "");
   return h("table", { id: "tasks" },
-    h("thead", null, h("tr", null, ["task", "items", "engine", "reference", "drop", "95% interval", "detectable"]
+    h("thead", null, h("tr", null, ["task", "items", "engine", "reference", "drop", "interval", "detectable"]
       .map((t) => h("th", null, t)))),
     h("tbody", null, tasks.map((t) => h("tr", null, h("td", { class: "mono" }, t.task),
-      h("td", { class: "num" }, U.count(t.items)), h("td", { class: "num" }, U.fraction(t.engine_accuracy)),
+      h("td", { class: "num" }, items(t)), h("td", { class: "num" }, U.fraction(t.engine_accuracy)),
       h("td", { class: "num" }, U.fraction(t.reference_accuracy)), h("td", { class: "num" }, U.points(t.drop_pts)),
       h("td", { class: "num" }, iv(t)), h("td", { class: "num" }, U.points(t.mde_pts))))));
 }

@@ -306,3 +306,14 @@ def test_every_number_a_person_reads_goes_through_kiln_units():
     out = junit.find(".//testcase[@name='max_peak_memory_bytes']/system-out")
     assert out.text == "max_peak_memory_bytes (peak memory): value 42.4 MiB ≤ threshold 17.7 GiB"
     assert json.loads(to_json(doc))["gates"][0]["value"] == 44453888.0  # machines get the raw value
+
+
+def test_the_task_table_says_how_many_items_sequential_evaluation_ran():
+    from validation.report import _tasks_section
+
+    task = {"task": "cloze", "items": 64, "total": 200, "engine_accuracy": 0.78, "reference_accuracy": 0.79,
+            "drop_pts": 1.0, "interval": {"low": -2.0, "high": 4.0, "confidence": 0.987}, "mde_pts": 5.0,
+            "unpaired_items_needed": 900, "engine_only_correct": 2, "reference_only_correct": 3}
+    html = "".join(_tasks_section([task]))
+    assert "64 of 200" in html and "(98.7%)" in html
+    assert "64 of" not in "".join(_tasks_section([{**task, "total": 64}]))
