@@ -58,6 +58,8 @@ def _label(entry: dict) -> dict:
 def _entry_line(i: int, n: int, row: dict) -> str:
     what = " ".join(str(row[k]) for k in ("precision", "profile", "target", "backend") if row.get(k))
     text = f"entry {i + 1}/{n} ({what}): {row['status']}"
+    if row.get("cache_hit"):
+        text += " (cache hit: an identical engine answered, only resolve ran)"
     m = ((row.get("validation") or {}).get("metrics")) or {}
     if m.get("ppl_increase_pct") is not None:
         text += (f", perplexity {m['ppl_increase_pct']:+.2f}%, top-1 {m.get('top1_agreement', 0) * 100:.1f}%, "
