@@ -113,8 +113,11 @@ def build_file(spec_file: str, *, dry_run: bool, as_json: bool, server: str | No
             raise SpecError(f"holds a value JSON cannot carry ({exc}), in {name}", field="document",
                             fix="quote it as a string") from None
         labels = [_label(e) for e in entries]
-        remote_matrix(server, data, wait=wait, progress=Progress(quiet=False), timeout=timeout,
-                      on_entry=lambda i, out, error: record(i, labels[i], out, error))
+        try:
+            remote_matrix(server, data, wait=wait, progress=Progress(quiet=False), timeout=timeout,
+                          on_entry=lambda i, out, error: record(i, labels[i], out, error))
+        except SpecError as exc:  # the server refused an entry (422 naming matrix.N.field): nothing was submitted
+            raise _in_file(exc, name) from None
     else:
         _build_here(data, name, dry_run=dry_run, as_json=as_json, force=force, record=record)
         if dry_run:

@@ -113,3 +113,7 @@ def test_with_server_the_document_is_one_request_and_each_build_is_reported(tmp_
     assert [b["precision"] for b in body["builds"]] == ["fp8", "nvfp4"] and all(b["status"] == "queued"
                                                                                for b in body["builds"])
     assert len(queued) == 2 and posts[0]["matrix"][1] == {"precision": "nvfp4", "calibration": {"samples": 8}}
+    doc.write_text(MATRIX.replace("examples/tiny-llama", str(TINY)) + "  - precision: int3\n")
+    refused = CliRunner().invoke(main, ["build", "-f", str(doc), "--server", "http://kiln", "--no-wait"])
+    assert refused.exit_code == 2 and len(posts) == 2 and len(queued) == 2  # the server checked, submitted nothing
+    assert "matrix.2.precision" in refused.stderr and f"in {doc}" in refused.stderr, refused.stderr
