@@ -19,7 +19,6 @@ from api.routes import admission, artifacts, builds, dashboard, health, keys, me
 from kiln.bell import Bell
 from kiln import errors as e
 from kiln.settings import Settings, get_settings
-from kiln.spec import BuildSpec
 
 
 def _broker_check(url: str):
@@ -94,10 +93,9 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
     def openapi():
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            spec = BuildSpec.model_json_schema(ref_template="#/components/schemas/{model}")
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            comps.update(spec.pop("$defs", {}))
-            comps["BuildSpec"] = spec
+            # BuildSpec, its parts, and BuildSpecEntry (a matrix's defaults and entries): kiln/document.py
+            comps.update(builds.BODY_SCHEMA["$defs"])
             app.openapi_schema = schema
         return app.openapi_schema
 

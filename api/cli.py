@@ -206,7 +206,10 @@ def _print_recipe(recipe: dict) -> None:
 
 
 @main.command()
-@click.argument("checkpoint")
+@click.argument("checkpoint", required=False)
+@click.option("-f", "--file", "spec_file", metavar="FILE", help="build every spec of a build document (YAML or JSON: "
+              "one spec, or a matrix; - for stdin), the document POST /v1/builds takes; its JSON Schema: kiln schema. "
+              "Not with CHECKPOINT or the spec's options")
 @click.option("--precision", default="fp8", show_default=True, help="fp8 | nvfp4")
 @click.option("--recipe", help="quantization recipe of the precision, or auto (its ladder); default: the "
               "precision's (auto). kiln models lists them")
@@ -246,10 +249,24 @@ def _print_recipe(recipe: dict) -> None:
               help="also write the validation report as JUnit XML to this file (CI test results)")
 @click.option("--report-html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
               help="also write the validation report as HTML to this file")
-def build(checkpoint: str, dry_run: bool, force: bool, as_json: bool, server: str | None, wait: bool,
-          timeout: float | None, junit_path: Path | None, html_path: Path | None, **options) -> None:
-    """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://)."""
+def build(checkpoint: str | None, spec_file: str | None, dry_run: bool, force: bool, as_json: bool, server: str | None,
+          wait: bool, timeout: float | None, junit_path: Path | None, html_path: Path | None, **options) -> None:
+    """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://), or one
+    for each spec of the build document FILE (-f; docs/cli.md: exit code the highest of its entries')."""
     reports: dict = {"junit": junit_path, "html": html_path, "timeout": timeout, "force": force}
+    if spec_file is not None:
+        from api.cli_file import build_file, refuse_spec_options
+
+        refuse_spec_options(click.get_current_context(), spec_file)
+        _check_modes(server, wait, dry_run, reports)
+        if server and dry_run:
+            raise SpecError("--dry-run plans a local build", field="dry_run",
+                            fix="drop --server to plan here, or --dry-run to submit the document")
+        return build_file(spec_file, dry_run=dry_run, as_json=as_json, server=server, wait=wait, timeout=timeout,
+                          force=force)
+    if checkpoint is None:
+        raise SpecError("no checkpoint given", field="checkpoint",
+                        fix="give CHECKPOINT (a directory, hf://org/name@rev, s3://bucket/prefix), or -f FILE")
     try:
         _build(checkpoint, dry_run, as_json, server, wait, reports, options)
     except KilnError as exc:
@@ -261,15 +278,19 @@ def build(checkpoint: str, dry_run: bool, force: bool, as_json: bool, server: st
         raise
 
 
-def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, reports: dict,
-           options: dict) -> None:
-    junit_path, html_path = reports["junit"], reports["html"]
+def _check_modes(server: str | None, wait: bool, dry_run: bool, reports: dict) -> None:
     if reports["timeout"] is not None and not (server and wait):
         raise SpecError("--timeout limits a wait on a remote build", field="timeout",
                         fix="use it with --server (and without --no-wait), or drop it")
     if reports["force"] and (server or dry_run):
         raise SpecError("--force rebuilds here", field="force",
                         fix="drop --force (a remote Kiln answers identical requests from its registry), or --dry-run")
+
+
+def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wait: bool, reports: dict,
+           options: dict) -> None:
+    junit_path, html_path = reports["junit"], reports["html"]
+    _check_modes(server, wait, dry_run, reports)
     if server:
         from api.cli_report import write_build_reports
         from api.remote import exit_for, fetch_report_document, remote_build
@@ -319,6 +340,21 @@ def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wa
         reports["written"] = True
     if out["status"] != "succeeded":
         raise ValidationFailed("the engine failed validation; it is stored as rejected and will not be served")
+
+
+@main.command()
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="write it to this file instead of stdout")
+def schema(output: Path | None) -> None:
+    """The JSON Schema of a build document (kiln build -f FILE, POST /v1/builds): one spec, or a matrix with optional
+    defaults. Published as docs/kiln-build.schema.json; editors and check-jsonschema read it."""
+    from kiln.document import schema_text
+
+    if output is None:
+        click.echo(schema_text(), nl=False)
+        return
+    output.write_text(schema_text(), encoding="utf-8")
+    click.echo(f"wrote {output}", err=True)
 
 
 @main.group()

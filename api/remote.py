@@ -135,31 +135,60 @@ def _state(client: httpx.Client, build_id: str) -> str:
     return body.get("status", "?") + (f": {body['reason']}" if body.get("reason") else "")
 
 
+def _post(client: httpx.Client, server: str, body: dict) -> dict:
+    try:
+        resp = client.post("/v1/builds", json=body)
+    except httpx.HTTPError as exc:
+        raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
+    if resp.status_code not in (200, 202):
+        raise _fail(resp)
+    return resp.json()
+
+
+def _finish(client: httpx.Client, server: str, build: dict, *, wait: bool, progress, timeout: float | None) -> dict:
+    """One answered build's outcome: followed to its end with ``wait`` (``timeout``: WaitTimedOut), else as answered."""
+    if not wait or build.get("id") is None and build["status"] in TERMINAL:
+        return _outcome(client, build)
+    click.echo(f"build {build['id']} {build['status']} on {server}", err=True)
+    if build["status"] not in TERMINAL:
+        _wait(client, build, server, progress, timeout)
+    final = client.get(f"/v1/builds/{build['id']}")
+    if final.status_code != 200:
+        raise _fail(final)
+    return _outcome(client, {**final.json(), "cache_hit": build.get("cache_hit", False)})
+
+
 def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress, summary,
                  timeout: float | None = None) -> dict:
-    import os
-
-    headers = {"Authorization": f"Bearer {os.environ['KILN_TOKEN']}"} if os.environ.get("KILN_TOKEN") else {}
-    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=headers) as client:
-        try:
-            resp = client.post("/v1/builds", json=spec)
-        except httpx.HTTPError as exc:
-            raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
-        if resp.status_code not in (200, 202):
-            raise _fail(resp)
-        build = resp.json()
-        if not wait or build.get("id") is None and build["status"] in TERMINAL:
-            out = _outcome(client, build)
-        else:
-            click.echo(f"build {build['id']} {build['status']} on {server}", err=True)
-            if build["status"] not in TERMINAL:
-                _wait(client, build, server, progress, timeout)
-            final = client.get(f"/v1/builds/{build['id']}")
-            if final.status_code != 200:
-                raise _fail(final)
-            out = _outcome(client, {**final.json(), "cache_hit": build.get("cache_hit", False)})
+    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
+        out = _finish(client, server, _post(client, server, spec), wait=wait, progress=progress, timeout=timeout)
     json_line(out) if as_json else summary(out)
     return out
+
+
+def remote_matrix(server: str, document: dict, *, wait: bool, progress, on_entry,
+                  timeout: float | None = None) -> list[dict]:
+    """``kiln build -f FILE --server``: the whole document in one request (the server checks every entry before it
+    submits any), then each build followed in turn (``timeout``: one deadline for them all). ``on_entry(i, out,
+    error)`` is called as each ends; ``error``: the KilnError its outcome maps to (exit_for), or WaitTimedOut."""
+    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
+        answer = _post(client, server, document)
+        builds = answer["builds"] if "builds" in answer else [answer]
+        t0, outs = time.monotonic(), []
+        for i, build in enumerate(builds):
+            left = None if timeout is None else timeout - (time.monotonic() - t0)
+            try:
+                if left is not None and left <= 0 and build["status"] not in TERMINAL:
+                    raise e.WaitTimedOut(f"build {build['id']} had not finished after {timeout:g}s "
+                                         f"({_state(client, build['id'])}); it goes on on {server}", field="timeout",
+                                         fix=f"wait longer (--timeout), or follow it with GET /v1/builds/{build['id']}")
+                out = _finish(client, server, build, wait=wait, progress=progress, timeout=left)
+                error = exit_for(out) if wait else None
+            except e.WaitTimedOut as exc:
+                out, error = _outcome(client, build), exc
+            outs.append(out)
+            on_entry(i, out, error)
+    return outs
 
 
 def _outcome(client: httpx.Client, build: dict) -> dict:

@@ -12,47 +12,27 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from api.bodies import SafeJSONResponse as JSONResponse  # a bad stored float is null, not a 500
 from api.deps import SessionDep, SessionsDep, SettingsDep
 from api.schemas import artifact_answer, build_read
-from kiln.errors import BuildUnknown, SpecError
+from kiln.errors import BuildUnknown
 from kiln.models import TERMINAL, Build, BuildEvent
-from kiln.spec import BuildSpec, parse_spec
+from kiln.document import document_schema, is_matrix, parse_document
 from kiln.states import request_cancel
 from workers.registry import waiting_reason
 from workers.submit import submit_many
 
 router = APIRouter(prefix="/v1/builds", tags=["builds"])
-MAX_MATRIX = 64
-
-SPEC_BODY = {"oneOf": [{"$ref": "#/components/schemas/BuildSpec"},
-                       {"type": "object", "required": ["matrix"], "additionalProperties": False,
-                        "properties": {"matrix": {"type": "array", "minItems": 1, "maxItems": MAX_MATRIX,
-                                                  "items": {"$ref": "#/components/schemas/BuildSpec"}}}}]}
-
-
-def _specs(body: Any, roots) -> list[BuildSpec]:
-    if not isinstance(body, dict):
-        raise SpecError("the body must be a JSON object", field="body", fix="send a BuildSpec or {\"matrix\": [...]}")
-    if "matrix" in body:
-        matrix = body["matrix"]
-        if set(body) != {"matrix"} or not isinstance(matrix, list) or not 1 <= len(matrix) <= MAX_MATRIX:
-            raise SpecError("matrix must be a list of 1 to 64 build specs and nothing else", field="matrix",
-                            fix="send {\"matrix\": [spec, ...]}")
-        specs = []
-        for i, item in enumerate(matrix):
-            try:
-                specs.append(parse_spec(item if isinstance(item, dict) else {"checkpoint": item}, roots))
-            except SpecError as exc:  # name the entry: matrix.3.precision
-                raise SpecError(exc.message, field=f"matrix.{i}.{exc.field}", fix=exc.fix,
-                                details=[{**d, "field": f"matrix.{i}.{d['field']}"} for d in exc.details]) from None
-        return specs
-    return [parse_spec(body, roots)]
+#: the request body's schema (kiln/document.py, the same document kiln build -f reads); app.py adds its definitions
+#: to the OpenAPI components
+BODY_SCHEMA = document_schema(ref_prefix="#/components/schemas/")
+SPEC_BODY = {"oneOf": BODY_SCHEMA["oneOf"]}
 
 
 @router.post("", status_code=202, openapi_extra={"requestBody": {"required": True, "content": {
     "application/json": {"schema": SPEC_BODY}}}}, responses={200: {"description": "already built or building"},
                                                              202: {"description": "queued"}})
 def create_builds(request: Request, settings: SettingsDep, sessions: SessionsDep, body: Any = Body(None)):
-    """Submit a build spec, or {"matrix": [specs]}."""
-    specs = _specs(body, settings.roots)
+    """Submit a build spec, or {"matrix": [specs]} (optionally with "defaults": {spec fields}): the document of
+    kiln build -f (kiln/document.py), every entry checked before any is submitted."""
+    specs = parse_document(body, settings.roots, where="body")
     answers, created = [], False
     for result in submit_many(settings, sessions, specs, request.app.state.enqueue,
                               reads=request.app.state.read_sessions):
@@ -61,7 +41,7 @@ def create_builds(request: Request, settings: SettingsDep, sessions: SessionsDep
             answers.append(artifact_answer(result.artifact, result.build))
         else:
             answers.append(build_read(result.build))
-    payload = {"builds": answers} if "matrix" in body else answers[0]
+    payload = {"builds": answers} if is_matrix(body) else answers[0]
     return JSONResponse(payload, status_code=202 if created else 200)
 
 
