@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import threading
 import time
 
 import click
@@ -20,14 +21,20 @@ HEARTBEAT_S = 10.0
 
 
 class Progress:
-    def __init__(self, quiet: bool, *, tty: bool | None = None, clock=time.monotonic):
+    """``ticker``: a thread that keeps the heartbeat going while a stage reports nothing (a C++ compile, a long
+    library call); tests drive :meth:`tick` with their own clock instead."""
+
+    def __init__(self, quiet: bool, *, tty: bool | None = None, clock=time.monotonic, ticker: bool | None = None):
         self.quiet = quiet
         self.tty = sys.stderr.isatty() if tty is None else tty
         self.clock = clock
+        self.ticker = (clock is time.monotonic) if ticker is None else ticker
         self.stage: str | None = None
+        self.step: dict | None = None  # the stage's latest progress event
         self.started_at = 0.0
         self.said_at = 0.0
         self.live = None
+        self.stopped = threading.Event()
 
     def __call__(self, kind: str, data: dict) -> None:
         if self.quiet:
@@ -40,9 +47,13 @@ class Progress:
     def _stage(self, data: dict) -> None:
         name = data["name"]
         if data["state"] == "started":
-            self.stage, self.started_at, self.said_at = name, self.clock(), self.clock()
+            self.stage, self.step, self.started_at, self.said_at = name, None, self.clock(), self.clock()
             self._show(f"{name:<9} … running")
+            if self.ticker and not self.tty:
+                self.stopped = threading.Event()
+                threading.Thread(target=self._tick_until, args=(self.stopped,), daemon=True).start()
             return
+        self.stopped.set()
         self._stop()
         self.stage = None
         mark = {"ran": "ran   ", "cached": "cached", "skipped": "skip  "}.get(data["status"], data["status"])
@@ -51,13 +62,26 @@ class Progress:
     def _progress(self, data: dict) -> None:
         if data.get("stage") != self.stage:
             return
-        elapsed = self.clock() - self.started_at
-        line = f"{self.stage:<9} {describe(data)}  {duration(elapsed)}"
+        self.step = data
         if self.tty:
-            self._show(line)
-        elif self.clock() - self.said_at >= HEARTBEAT_S:
+            self._show(self._line())
+        else:
+            self.tick()
+
+    def _line(self) -> str:
+        what = describe(self.step) if self.step else "running"
+        return f"{self.stage:<9} {what}  {duration(self.clock() - self.started_at)}"
+
+    def tick(self) -> None:
+        """A plain heartbeat line, if a stage runs and none was printed for ``HEARTBEAT_S`` seconds."""
+        stage = self.stage
+        if stage is not None and not self.tty and self.clock() - self.said_at >= HEARTBEAT_S:
             self.said_at = self.clock()
-            click.echo(f"  {line}", err=True)
+            click.echo(f"  {self._line()}", err=True)
+
+    def _tick_until(self, stopped: threading.Event) -> None:
+        while not stopped.wait(1.0):
+            self.tick()
 
     def _show(self, line: str) -> None:
         if not self.tty:

@@ -61,6 +61,25 @@ class TestTheQuickStartBuild:
         assert m["top1_agreement"] > 0.85
         assert len(m["throughput"]) >= 3 and all(p["tokens_per_s"] > 0 for p in m["throughput"])
 
+    def test_readmes_sample_has_the_shape_of_what_the_cli_prints_now(self, fp8, capsys):
+        """README's sample (scripts/readme_sample.py writes it from a real run) against this same command's result
+        rendered as the CLI renders it: stale when the CLI's words or layout change (numbers and digests masked)."""
+        from api.cli import _print_summary
+        from api.progress import Progress
+        from scripts.readme_sample import mask, sample
+
+        a = fp8["artifact"]
+        print(f"building {a['repository']} {a['precision']} {a['profile']} for {a['target']} with {a['backend']}")
+        progress = Progress(quiet=False, tty=False, ticker=False)
+        for stage in fp8["stages"]:
+            progress("stage", {"name": stage["name"], "state": "started"})
+            progress("stage", {**stage, "state": "finished"})
+        _print_summary(fp8)
+        got = capsys.readouterr()
+        rendered = got.out.splitlines()[:1] + got.err.splitlines() + got.out.splitlines()[1:]
+        assert [mask(x) for x in rendered] == [mask(x) for x in sample()], (
+            "README's sample is stale: run python scripts/readme_sample.py")
+
     def test_identical_rebuild_is_a_cache_hit_with_no_stage_run(self, home, fp8):
         proc = kiln("build", "examples/tiny-llama", "--precision", "fp8", "--profile", "latency", "--json",
                     home=home, check=True)

@@ -103,3 +103,29 @@ def test_the_pipeline_sends_at_most_one_progress_event_a_second_and_every_new_st
     assert sent[0][1]["step"] == "reference window" and sent[1][1]["step"] == "evaluation window"
     assert len(sent) == expected
 
+
+
+def test_the_heartbeat_goes_on_while_a_stage_reports_nothing(capsys):
+    """A C++ compile reports once and then nothing for minutes: the log still shows it alive every 10 s."""
+    clock = Clock()
+    p = Progress(quiet=False, tty=False, clock=clock, ticker=False)
+    p("stage", {"name": "compile", "state": "started"})
+    for _ in range(25):
+        clock.now += 1.0
+        p.tick()
+        if clock.now == 112.0:
+            p("progress", {"stage": "compile", "step": "AOTInductor compile", "i": None, "n": None})
+    assert capsys.readouterr().err.splitlines() == ["  compile   running  10.0 s", "  compile   AOTInductor compile  20.0 s"]
+
+
+def test_the_ticker_thread_prints_without_events_and_stops_with_the_stage(monkeypatch, capsys):
+    import time
+
+    monkeypatch.setattr("api.progress.HEARTBEAT_S", 0.0)
+    p = Progress(quiet=False, tty=False)  # the real clock: the ticker thread runs
+    p("stage", {"name": "compile", "state": "started"})
+    time.sleep(1.5)
+    p("stage", {"name": "compile", "state": "finished", "status": "ran", "seconds": 1.5})
+    time.sleep(1.2)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("  compile   running  ") and lines[-1].split()[:2] == ["compile", "ran"]
