@@ -56,7 +56,9 @@ if mode == "baseline":
     reference = open_reference(ckpt)
 elif mode == "cold":
     from validation.reference import compute_reference
-    reference = compute_reference(open_reference(ckpt), ckpt, text, spec)
+    from validation.runners import reference_dtype  # as the pipeline does: bf16 on a CPU with native bf16 units
+    dtype = reference_dtype(json.loads((ckpt / "config.json").read_text()))
+    reference = compute_reference(open_reference(ckpt, dtype), ckpt, text, spec)
     reference.save(ref_dir)
 else:
     from validation.reference import Reference
