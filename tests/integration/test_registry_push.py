@@ -23,13 +23,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from artifacts.factory import open_store
 from artifacts.oci import MEDIA_TYPE_IMAGE_INDEX
-from artifacts.signing import configured_signer
-from builder.publish import publish
 from kiln import db
 from kiln.settings import Settings
-from kiln.spec import parse_spec
+from tests.engines import publish_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -95,20 +92,9 @@ def registry(tmp_path_factory):
 def home(tmp_path_factory):
     """An engine published into a KILN_HOME by the real publish stage (no build), signed with that home's key."""
     home = tmp_path_factory.mktemp("push") / "kiln"
-    settings = Settings(home=home)
-    db.upgrade(settings.db_url)
-    store, sessions = open_store(settings.store), db.session_factory(settings.db_url)
-    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "model_name": "acme/tiny", "precision": "fp8",
-                       "profile": "balanced", "backend": "checkpoint", "target": "h100"}, [])
-    engine = home.parent / "engine"
-    (engine / "serving").mkdir(parents=True)
-    (engine / "config.json").write_text('{"hidden_size": 8}')
-    (engine / "weights.bin").write_bytes(os.urandom(3 << 20))  # over a store chunk: a blob read in several
-    (engine / "serving" / "vllm.yaml").write_text("max-num-seqs: 8\n")
-    row = publish(store, sessions, engine, spec=spec, build_key=sha(b"push"),
-                  provenance={"created": "2026-12-01T00:00:00Z", "toolchain": {"torch": "2.13"},
-                              "checkpoint": {"ref": spec.checkpoint, "digest": sha(b"c"), "revision": "a" * 40}},
-                  validation={"passed": True, "gates": [], "metrics": {}}, signer=configured_signer(settings))
+    settings, store, row = publish_tiny(home, key=b"push", files={
+        "config.json": b'{"hidden_size": 8}', "weights.bin": os.urandom(3 << 20),  # over a store chunk: read in parts
+        "serving/vllm.yaml": b"max-num-seqs: 8\n"})
     kiln_v2 = TestClient(create_app(settings, enqueue=lambda *a: None))
     return home, row.digest, store, kiln_v2
 

@@ -13,12 +13,7 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from artifacts.factory import open_store
-from artifacts.signing import configured_signer
-from builder.publish import publish
-from kiln import db
-from kiln.settings import Settings
-from kiln.spec import parse_spec
+from tests.engines import publish_tiny
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -35,21 +30,9 @@ def kiln(home: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def home(tmp_path_factory) -> tuple[Path, str]:
     home = tmp_path_factory.mktemp("deploy") / "kiln"
-    settings = Settings(home=home)
-    db.upgrade(settings.db_url)
-    store, sessions = open_store(settings.store), db.session_factory(settings.db_url)
-    spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "model_name": "acme/tiny", "precision": "fp8",
-                       "profile": "balanced", "backend": "checkpoint", "target": "h100"}, [])
-    engine = home.parent / "engine"
-    (engine / "serving").mkdir(parents=True)
-    (engine / "config.json").write_text("{}")
-    (engine / "serving" / "vllm.yaml").write_text("max-num-seqs: 8\n")
     gates = [{"name": "max_ppl_increase_pct", "value": 0.4, "threshold": 3.0, "passed": True}]
-    row = publish(store, sessions, engine, spec=spec, build_key=sha(b"k"),
-                  provenance={"created": "2026-12-01T00:00:00Z", "toolchain": {"torch": "2.13"},
-                              "checkpoint": {"ref": spec.checkpoint, "digest": sha(b"c"), "revision": "a" * 40}},
-                  validation={"passed": True, "gates": gates, "metrics": {}},
-                  signer=configured_signer(settings))  # this home's key, as `kiln keys public` reads it
+    _, _, row = publish_tiny(home, key=b"k", files={"config.json": b"{}", "serving/vllm.yaml": b"max-num-seqs: 8\n"},
+                             gates=gates)
     return home, row.digest
 
 
