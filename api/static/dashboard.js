@@ -137,8 +137,14 @@ function currentStage(b) {
   return b.status;
 }
 
-function buildsTable(builds) {
-  if (!builds.length) return h("p", { class: "empty" }, "No builds yet. Submit one with POST /v1/builds or kiln build --server.");
+function buildsTable(builds, engines) {
+  if (!builds.length && state.activeOnly) return h("p", { class: "empty", id: "builds-empty" }, "No build is running.");
+  if (!builds.length && engines) {  // engines built with kiln build on a machine and published: no build row here
+    return h("p", { class: "empty", id: "builds-empty" }, "No builds submitted to this server; its " + U.count(engines) +
+      (engines === 1 ? " engine was" : " engines were") + " built elsewhere (kiln build) and published. " +
+      "Submit a build with POST /v1/builds or kiln build --server " + location.origin + ".");
+  }
+  if (!builds.length) return h("p", { class: "empty", id: "builds-empty" }, "No builds yet. Submit one with POST /v1/builds or kiln build --server " + location.origin + ".");
   const rows = builds.map((b) => {
     const s = b.spec || {};
     const note = b.error ? (b.error.message || b.error.code) : b.reason;
@@ -228,7 +234,7 @@ async function renderHome(view) {
     h("section", { class: "card", id: "builds" },
       h("h2", null, "Builds", h("span", { class: "muted" }, builds.total + " in all, newest first"),
         h("span", { class: "toolbar" }, active)),
-      buildsTable(builds.builds)),
+      buildsTable(builds.builds, artifacts.artifacts.length)),
     h("section", { class: "card", id: "engines" },
       h("h2", null, "Engines", h("span", { class: "muted" }, "per model and target"),
         h("span", { class: "toolbar" }, inactive)),
@@ -332,7 +338,7 @@ async function renderEngine(view, digest) {
         ["build key", h("code", null, a.build_key)], ["size", bytes(a.size)],
         ["toolchain", Object.entries(prov.toolchain || {}).map(([k, x]) => k + " " + x).join(", ")],
         ["stages", stages], ["built", (a.created_at || "") + " (" + ago(a.created_at) + ")"],
-        ["pull", h("div", { class: "copy" }, "kiln pull " + a.repository + "@" + a.digest + " ./engine")]])),
+        ["pull", h("div", { class: "copy", id: "pull-hint" }, "kiln pull " + a.repository + "@" + a.digest + " ./engine --server " + location.origin)]])),
     h("div", { class: "cols" },
       h("section", { class: "card", id: "validation" },
         h("h2", null, "Validation", badge(v.passed ? "pass" : "fail"), h("span", { class: "muted" }, reportLink)),

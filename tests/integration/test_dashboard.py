@@ -97,7 +97,7 @@ def test_engine_page_shows_validation_and_charts(served, tmp_path):
     url = f"{served.url}/#/engine/{digest}"
     dom = dump_dom(tmp_path / "profile", url)
     assert f'id="engine" data-digest="{digest}"' in dom
-    assert "max_ppl_increase_pct" in dom and "top-1 agreement" in dom and "kiln pull tiny-llama@" + digest in dom
+    assert "max_ppl_increase_pct" in dom and "top-1 agreement" in dom and f"kiln pull tiny-llama@{digest} ./engine --server {served.url}" in dom
     assert dom.count("data-chart=") == 2 and "/report.html" in dom
     png = screenshot(tmp_path / "profile", url, tmp_path / "engine.png", size="1280,1400")
     assert png_size(png) == (1280, 1400) and len(png) > 20_000
