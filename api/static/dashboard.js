@@ -481,15 +481,15 @@ function variantOf(e) { return [e.precision, e.target, e.profile, e.backend].joi
 
 // One metric's line chart: x = the engine's place in time order, y from 0 to the largest value; a line per variant.
 function trendChart(engines, variants, [key, label, f]) {
-  const W = 440, H = 190, L = 12, R = 12, T = 30, B = 22, pw = W - L - R, ph = H - T - B;
+  const W = 440, H = 190, L = 48, R = 48, T = 44, B = 16, pw = W - L - R, ph = H - T - B;
   const vals = engines.map((e) => e.metrics[key]).filter((v) => typeof v === "number");
   const max = vals.length ? Math.max(...vals.map(Math.abs)) || 1 : 1;
   const x = (i) => L + pw * (engines.length === 1 ? 0.5 : i / (engines.length - 1));
   const y = (v) => T + ph - ph * Math.max(0, v) / max;
   const svg = sv("svg", { width: W, height: H, viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": label, "data-trend": key },
     sv("rect", { width: W, height: H, fill: "#fff" }),
-    sv("text", { x: L, y: 16, "font-size": 13, "font-weight": 600, fill: "#1f2933" }, label),
-    sv("text", { x: W - R, y: 16, "text-anchor": "end", "font-size": 11, fill: "#616e7c" }, "max " + (vals.length ? f(Math.max(...vals)) : "—")),
+    sv("text", { x: 12, y: 16, "font-size": 13, "font-weight": 600, fill: "#1f2933" }, label),
+    sv("text", { x: W - 12, y: 16, "text-anchor": "end", "font-size": 11, fill: "#616e7c" }, "max " + (vals.length ? f(Math.max(...vals)) : "—")),
     sv("line", { x1: L, x2: W - R, y1: T + ph, y2: T + ph, stroke: "#9aa5b1" }),
     sv("line", { x1: L, x2: W - R, y1: T, y2: T, stroke: "#e4e7eb" }));
   if (!vals.length) svg.append(sv("text", { x: W / 2, y: T + ph / 2, "text-anchor": "middle", fill: "#616e7c" }, "not measured"));
