@@ -151,3 +151,68 @@ def _building(session: Session | Connection, model: str, precision: str, target:
                 (s.get("profile") or {}).get("name")) == (model, precision, target, backend, profile):
             return f"build {b.id} is {b.status} for {s.get('checkpoint')}"
     return None
+
+
+def _profile_name(profile) -> str | None:
+    return profile.get("name") if isinstance(profile, dict) else profile
+
+
+def servable_grid(session: Session, model: str | None = None) -> list[dict]:
+    """What is servable now, per model × precision × target: for every cell, each variant (profile, backend) that
+    the model's tracked matrix asks for or that has an engine, answered by :func:`resolve_engine` — its servable
+    engine, or the code and reason resolve gives for none. A cell with no variant at all says so. Models are
+    the tracked ones and every repository with an engine (published or named there); ``model`` keeps one."""
+    variants: dict[str, dict[tuple[str, str], set[tuple[str, str]]]] = {}
+
+    def add(repo: str, precision, target, profile, backend) -> None:
+        if model is not None and repo != model:
+            return
+        cells = variants.setdefault(repo, {})
+        if not all(isinstance(v, str) and v for v in (precision, target, profile, backend)):
+            return
+        canonical, err = normalize_target(target)
+        cells.setdefault((precision, canonical if not err else target), set()).add((profile, backend))
+
+    for m in session.scalars(select(TrackedModel)):
+        if model in (None, m.name):
+            variants.setdefault(m.name, {})  # a tracked model shows even before its first engine
+        for e in m.matrix or []:
+            if isinstance(e, dict):
+                add(m.name, e.get("precision"), e.get("target"), _profile_name(e.get("profile", "latency")),
+                    e.get("backend"))
+    a, n = Artifact.__table__, EngineName.__table__
+    own = select(a.c.repository, a.c.precision, a.c.target, a.c.profile, a.c.backend)
+    named = select(n.c.repository, a.c.precision, a.c.target, a.c.profile, a.c.backend).select_from(
+        n.join(a, a.c.digest == n.c.digest))
+    for row in session.execute(union_all(own, named)).all():
+        add(*row)
+
+    out = []
+    for name in sorted(variants):
+        cells = variants[name]
+        precisions = sorted({p for p, _ in cells}, key=lambda p: (list(PRECISIONS).index(p) if p in PRECISIONS else 99, p))
+        targets = sorted({t for _, t in cells})
+        rows = []
+        for precision in precisions:
+            for target in targets:
+                engines, reasons = [], []
+                for profile, backend in sorted(cells.get((precision, target), ())):
+                    try:
+                        r = resolve_engine(session, model=name, precision=precision, profile=profile, target=target,
+                                           backend=backend)
+                    except SpecError as exc:
+                        reasons.append({"profile": profile, "backend": backend, "code": exc.code, "reason": exc.message})
+                        continue
+                    if r.artifact is not None:
+                        engines.append({"profile": profile, "backend": backend, "digest": r.artifact.digest,
+                                        "tag": r.artifact.tag})
+                    else:
+                        reasons.append({"profile": profile, "backend": backend, "code": r.code, "reason": r.reason})
+                if not engines and not reasons:
+                    reasons.append({"profile": None, "backend": None, "code": "not_built",
+                                    "reason": f"no engine for {name} {precision} {target} has been built, and the "
+                                              "model's matrix asks for none"})
+                rows.append({"precision": precision, "target": target, "servable": bool(engines),
+                             "engines": engines, "reasons": reasons})
+        out.append({"model": name, "precisions": precisions, "targets": targets, "cells": rows})
+    return out

@@ -11,21 +11,23 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Query
 from fastapi.responses import FileResponse, HTMLResponse, Response
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from api.deps import SessionDep
 from kiln import units
 from kiln.digests import parse_digest
 from kiln.errors import ArtifactUnknown, SpecError
-from kiln.models import Artifact, Tag
+from kiln.models import Artifact, EngineName, Tag
 from kiln.spec import PROFILES
 from validation import fit as fitting
 from validation.report import CSP_META, REPORT_CSP
+from workers.resolution import servable_grid
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 router = APIRouter(tags=["dashboard"])
 MAX_FIT_REQUESTS = 200_000
+MAX_TREND = 200  # engines per model in a trend, the newest
 #: The dashboard runs only its own script and style, talks only to this server, and is never framed.
 DASHBOARD_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
                  "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
@@ -53,6 +55,49 @@ def list_tags(session: SessionDep, model: str | None = Query(None, max_length=25
     rows = session.scalars(q.order_by(Tag.repository, Tag.name))
     return {"tags": [{"repository": t.repository, "name": t.name, "digest": t.digest,
                       "updated_at": t.updated_at.isoformat() if t.updated_at else None} for t in rows]}
+
+
+# -- release views: a model's trend across builds, the servable grid ------------------------------------------------
+def _finite(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def trend_metrics(validation: dict | None) -> dict:
+    """The numbers a trend plots from one validation report: perplexity increase (%), mean KL, top-1 agreement,
+    peak throughput (the highest tokens/s among the measured points), TTFT and TPOT (ms); None where absent."""
+    m = (validation or {}).get("metrics") or {}
+    tps = [t for p in m.get("throughput") or [] if isinstance(p, dict)
+           if (t := _finite(p.get("tokens_per_s"))) is not None]
+    return {"ppl_increase_pct": _finite(m.get("ppl_increase_pct")), "mean_kl": _finite(m.get("mean_kl")),
+            "top1_agreement": _finite(m.get("top1_agreement")), "peak_tokens_per_s": max(tps) if tps else None,
+            "ttft_ms": _finite(m.get("ttft_ms")), "tpot_ms": _finite(m.get("tpot_ms"))}
+
+
+@router.get("/v1/trend")
+def model_trend(session: SessionDep, model: str = Query(..., min_length=1, max_length=255)):
+    """A model's engines (published in it or named there), oldest first (its newest MAX_TREND), each with its
+    variant, state, verdict and the metrics a trend plots (see :func:`trend_metrics`)."""
+    q = (select(Artifact).where(or_(Artifact.repository == model, Artifact.digest.in_(
+        select(EngineName.digest).where(EngineName.repository == model))))
+         .order_by(Artifact.created_at.desc()).limit(MAX_TREND))
+    rows = list(session.scalars(q))[::-1]
+    if not rows:
+        raise ArtifactUnknown(f"no engines for model {model!r}", field="model",
+                              fix="list engines with GET /v1/artifacts")
+    return {"model": model, "engines": [
+        {"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status, "precision": a.precision,
+         "target": a.target, "profile": a.profile, "backend": a.backend,
+         "checkpoint_revision": a.checkpoint_revision, "passed": (a.validation or {}).get("passed"),
+         "created_at": a.created_at.isoformat() if a.created_at else None, "metrics": trend_metrics(a.validation)}
+        for a in rows]}
+
+
+@router.get("/v1/grid")
+def grid(session: SessionDep, model: str | None = Query(None, min_length=1, max_length=255)):
+    """What is servable now: per model, a precision × target grid whose every cell holds, for each variant
+    (profile, backend) asked for or built, the engine ``GET /v1/resolve`` answers, or its code and reason for
+    none (workers/resolution.py's servable_grid)."""
+    return {"models": servable_grid(session, model)}
 
 
 # -- charts and the report ----------------------------------------------------------------------------------------

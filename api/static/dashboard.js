@@ -1,5 +1,7 @@
 // Kiln dashboard: plain JavaScript polling the JSON API (no build step, no external resources).
-// Views: "#/" (builds, workers, engines per model and target) and "#/engine/<digest>" (one engine).
+// Views: "#/" (builds, workers, engines per model and target), "#/engine/<digest>" (one engine),
+// "#/compare?a=<digest>&b=<digest>" (two side by side), "#/trend/<model>" (its metrics across builds) and
+// "#/grid" (model × precision × target: what is servable now, or why not).
 // Every value from the API goes into the page through textContent or attributes, never as HTML.
 "use strict";
 
@@ -137,8 +139,14 @@ function currentStage(b) {
   return b.status;
 }
 
-function buildsTable(builds) {
-  if (!builds.length) return h("p", { class: "empty" }, "No builds yet. Submit one with POST /v1/builds or kiln build --server.");
+function buildsTable(builds, engines) {
+  if (!builds.length && state.activeOnly) return h("p", { class: "empty", id: "builds-empty" }, "No build is running.");
+  if (!builds.length && engines) {  // engines built with kiln build on a machine and published: no build row here
+    return h("p", { class: "empty", id: "builds-empty" }, "No builds submitted to this server; its " + U.count(engines) +
+      (engines === 1 ? " engine was" : " engines were") + " built elsewhere (kiln build) and published. " +
+      "Submit a build with POST /v1/builds or kiln build --server " + location.origin + ".");
+  }
+  if (!builds.length) return h("p", { class: "empty", id: "builds-empty" }, "No builds yet. Submit one with POST /v1/builds or kiln build --server " + location.origin + ".");
   const rows = builds.map((b) => {
     const s = b.spec || {};
     const note = b.error ? (b.error.message || b.error.code) : b.reason;
@@ -207,7 +215,8 @@ function enginesSection(artifacts, tags) {
         h("td", { title: a.created_at || "" }, ago(a.created_at)));
     });
     return h("div", { class: "model", "data-model": model },
-      h("h3", { class: "model" }, model, h("span", { class: "muted" }, fresh + " fresh of " + rows.length)),
+      h("h3", { class: "model" }, model, h("span", { class: "muted" }, U.count(fresh) + " fresh of " + U.count(rows.length)),
+        h("a", { class: "trend-link", href: trendHref(model) }, "trend")),
       h("table", null,
         h("thead", null, h("tr", null, ["target", "precision", "profile", "backend", "state", "tags", "validation",
           "engine", "size", "built"].map((t) => h("th", null, t)))),
@@ -228,9 +237,10 @@ async function renderHome(view) {
     h("section", { class: "card", id: "builds" },
       h("h2", null, "Builds", h("span", { class: "muted" }, builds.total + " in all, newest first"),
         h("span", { class: "toolbar" }, active)),
-      buildsTable(builds.builds)),
+      buildsTable(builds.builds, artifacts.artifacts.length)),
     h("section", { class: "card", id: "engines" },
       h("h2", null, "Engines", h("span", { class: "muted" }, "per model and target"),
+        h("a", { href: "#/grid", id: "grid-link" }, "what is servable now"),
         h("span", { class: "toolbar" }, inactive)),
       enginesSection(artifacts.artifacts, tags.tags)),
     h("section", { class: "card", id: "workers" }, h("h2", null, "Workers"), workersList(workers.workers)));
@@ -242,17 +252,23 @@ function dl(pairs) {
     .map(([k, v]) => [h("dt", null, k), h("dd", null, v)]));
 }
 
+function ms(v) { return U.duration(v / 1000); }
+
+// [key in validation.metrics, label, formatter, how a difference reads: "points" (percent-valued), "fraction" or "relative"]
+const METRICS = [["perplexity", "perplexity", U.number, "relative"],
+  ["reference_perplexity", "reference perplexity", U.number, "relative"],
+  ["ppl_increase_pct", "perplexity increase", U.percent, "points"],
+  ["top1_agreement", "top-1 agreement", U.fraction, "fraction"],
+  ["mean_kl", "mean KL", U.number, "relative"],
+  ["peak_memory_bytes", "peak memory", U.bytesIec, "relative"],
+  ["ttft_ms", "TTFT", ms, "relative"],
+  ["tpot_ms", "TPOT", ms, "relative"],
+  ["tokens", "evaluation tokens", U.count, "relative"]];
+
 function metricsTable(m) {
-  const rows = [["perplexity", m.perplexity, U.number],
-    ["reference perplexity", m.reference_perplexity, U.number],
-    ["perplexity increase", m.ppl_increase_pct, U.percent],
-    ["top-1 agreement", m.top1_agreement, U.fraction],
-    ["mean KL", m.mean_kl, U.number],
-    ["peak memory", m.peak_memory_bytes, U.bytesIec],
-    ["TTFT", m.ttft_ms, (v) => U.duration(v / 1000)],
-    ["TPOT", m.tpot_ms, (v) => U.duration(v / 1000)],
-    ["evaluation tokens", m.tokens, U.count]].filter((r) => typeof r[1] === "number");
-  return h("table", { id: "metrics" }, h("tbody", null, rows.map(([k, v, f]) => h("tr", null, h("th", null, k), h("td", { class: "num" }, f(v))))));
+  const rows = METRICS.filter((r) => typeof m[r[0]] === "number");
+  return h("table", { id: "metrics" }, h("tbody", null, rows.map(([key, k, f]) => h("tr", { "data-metric": key },
+    h("th", null, k), h("td", { class: "num" }, f(m[key]))))));
 }
 
 function gatesTable(gates) {
@@ -316,9 +332,16 @@ async function renderEngine(view, digest) {
       window.open(await blobUrl(path + "/report.html"), "_blank", "noopener");
     } }, "validation report (HTML)");
   const charts = h("div", { class: "charts" });
+  const siblings = (await api("/v1/artifacts?limit=100&model=" + encodeURIComponent(a.repository))).artifacts
+    .filter((x) => x.digest !== a.digest);
+  const compareWith = siblings.length ? h("select", { id: "compare-with", onchange: (e) => {
+    if (e.target.value) location.hash = compareHref(a.digest, e.target.value); } },
+    h("option", { value: "" }, "compare with…"),
+    siblings.map((x) => h("option", { value: x.digest }, x.tag + " " + shortDigest(x.digest) + " (" + x.status + ", " + ago(x.created_at) + ")"))) : null;
   const stages = (prov.stages || []).map((s) => s.name + " " + s.status + " " + secs(s.seconds)).join(" · ");
   view.replaceChildren(
-    h("p", null, h("a", { href: "#/" }, "← all builds and engines")),
+    h("p", null, h("a", { href: "#/" }, "← all builds and engines"), " · ",
+      h("a", { href: trendHref(a.repository), id: "trend-link" }, "trend of " + a.repository), " ", compareWith),
     h("section", { class: "card", id: "engine", "data-digest": a.digest },
       h("h2", null, a.repository + ":" + a.tag, badge(a.status)),
       a.status_reason ? h("p", { class: "sub" }, a.status_reason) : null,
@@ -332,7 +355,7 @@ async function renderEngine(view, digest) {
         ["build key", h("code", null, a.build_key)], ["size", bytes(a.size)],
         ["toolchain", Object.entries(prov.toolchain || {}).map(([k, x]) => k + " " + x).join(", ")],
         ["stages", stages], ["built", (a.created_at || "") + " (" + ago(a.created_at) + ")"],
-        ["pull", h("div", { class: "copy" }, "kiln pull " + a.repository + "@" + a.digest + " ./engine")]])),
+        ["pull", h("div", { class: "copy", id: "pull-hint" }, "kiln pull " + a.repository + "@" + a.digest + " ./engine --server " + location.origin)]])),
     h("div", { class: "cols" },
       h("section", { class: "card", id: "validation" },
         h("h2", null, "Validation", badge(v.passed ? "pass" : "fail"), h("span", { class: "muted" }, reportLink)),
@@ -352,6 +375,194 @@ async function renderEngine(view, digest) {
   return false;  // an engine's page changes rarely: no polling
 }
 
+// -- two engines side by side ----------------------------------------------------------------------------------
+function compareHref(a, b) { return "#/compare?a=" + encodeURIComponent(a) + "&b=" + encodeURIComponent(b); }
+function trendHref(model) { return "#/trend/" + encodeURIComponent(model); }
+
+function difference(kind, a, b) {
+  if (typeof a !== "number" || typeof b !== "number") return "";
+  if (kind === "points") return U.points(b - a);
+  if (kind === "fraction") return U.points((b - a) * 100);
+  return a === 0 ? "" : U.percent((b - a) / Math.abs(a) * 100);
+}
+
+function gateKey(g) { return g.name + (g.task ? " [" + g.task + "]" : ""); }
+
+// Provenance and identity as flat "path → JSON text" pairs: objects by key, lists whole.
+function flatten(value, prefix, out) {
+  if (value && typeof value === "object" && !Array.isArray(value)) {
+    for (const k of Object.keys(value)) flatten(value[k], prefix ? prefix + "." + k : k, out);
+  } else if (prefix) {
+    out[prefix] = typeof value === "string" ? value : JSON.stringify(value);
+  }
+  return out;
+}
+
+function identity(a) {
+  return { repository: a.repository, tag: a.tag, status: a.status, target: a.target, precision: a.precision,
+    profile: a.profile, backend: a.backend, checkpoint: a.checkpoint, build_key: a.build_key, created_at: a.created_at,
+    provenance: a.provenance };
+}
+
+function engineHead(a, side) {
+  return h("div", { class: "side", "data-side": side },
+    h("div", null, h("b", null, side.toUpperCase() + " "), h("a", { href: engineHref(a.digest), class: "mono" }, shortDigest(a.digest)),
+      " ", badge(a.status), " ", (a.validation || {}).passed ? badge("pass") : badge("fail")),
+    h("div", { class: "sub" }, a.repository + ":" + a.tag + " · " + [a.precision, a.target, a.profile, a.backend].join(" · ")
+      + " · " + U.bytesIec(a.size) + " · built " + (a.created_at || "")));
+}
+
+async function renderCompare(view, query) {
+  const q = new URLSearchParams(query);
+  const da = q.get("a"), db = q.get("b");
+  if (!da || !db) throw new HttpError(404, { error: { message: "compare needs two engines: #/compare?a=<digest>&b=<digest>" } });
+  const [a, b] = await Promise.all([api("/v1/artifacts/" + encodeURIComponent(da)), api("/v1/artifacts/" + encodeURIComponent(db))]);
+  const ma = (a.validation || {}).metrics || {}, mb = (b.validation || {}).metrics || {};
+  const peak = (m) => { const t = (m.throughput || []).map((p) => p.tokens_per_s).filter((x) => typeof x === "number");
+    return t.length ? Math.max(...t) : undefined; };
+  const rows = METRICS.filter(([k]) => typeof ma[k] === "number" || typeof mb[k] === "number")
+    .map(([k, label, f, kind]) => [k, label, f, kind, ma[k], mb[k]]);
+  if (peak(ma) !== undefined || peak(mb) !== undefined) rows.push(["peak_tokens_per_s", "peak throughput", U.rate, "relative", peak(ma), peak(mb)]);
+  const cell = (f, v) => h("td", { class: "num" }, typeof v === "number" ? f(v) : "—");
+  const metrics = h("table", { id: "compare-metrics" },
+    h("thead", null, h("tr", null, ["metric", "A", "B", "B − A"].map((t) => h("th", null, t)))),
+    h("tbody", null, rows.map(([k, label, f, kind, x, y]) => h("tr", { "data-metric": k }, h("th", null, label),
+      cell(f, x), cell(f, y), h("td", { class: "num diff" }, difference(kind, x, y))))));
+  const ga = Object.fromEntries(((a.validation || {}).gates || []).map((g) => [gateKey(g), g]));
+  const gb = Object.fromEntries(((b.validation || {}).gates || []).map((g) => [gateKey(g), g]));
+  const names = [...new Set([...Object.keys(ga), ...Object.keys(gb)])];
+  const gateCells = (g) => g ? [h("td", { class: "num" }, U.gateValue(g.name, g.value)),
+    h("td", { class: "num" }, U.gateOp(g.name) + " " + U.gateValue(g.name, g.threshold)),
+    h("td", null, badge(g.decision || (g.passed ? "pass" : "fail")))] : [h("td", { class: "muted" }, "not gated"), h("td"), h("td")];
+  const gates = names.length ? h("table", { id: "compare-gates" },
+    h("thead", null, h("tr", null, ["gate", "A value", "A threshold", "A", "B value", "B threshold", "B"].map((t) => h("th", null, t)))),
+    h("tbody", null, names.map((n) => {
+      const x = ga[n], y = gb[n], verdict = (g) => g && (g.decision || (g.passed ? "pass" : "fail"));
+      return h("tr", { "data-gate": n, class: verdict(x) !== verdict(y) ? "differs" : null },
+        h("td", null, U.gateLabel((x || y).name) + ((x || y).task ? " [" + (x || y).task + "]" : "")), gateCells(x), gateCells(y));
+    }))) : h("p", { class: "empty" }, "No gates recorded.");
+  const fa = flatten(identity(a), "", {}), fb = flatten(identity(b), "", {});
+  const paths = [...new Set([...Object.keys(fa), ...Object.keys(fb)])].sort();
+  const differ = paths.filter((p) => fa[p] !== fb[p]);
+  const prov = h("table", { id: "compare-provenance" },
+    h("thead", null, h("tr", null, ["field", "A", "B"].map((t) => h("th", null, t)))),
+    h("tbody", null, paths.map((p) => h("tr", { "data-field": p, class: fa[p] !== fb[p] ? "differs" : null },
+      h("td", { class: "mono" }, p), h("td", { class: "sub mono" }, fa[p] === undefined ? "—" : fa[p]),
+      h("td", { class: "sub mono" }, fb[p] === undefined ? "—" : fb[p])))));
+  view.replaceChildren(
+    h("p", null, h("a", { href: "#/" }, "← all builds and engines"), " · ",
+      h("a", { href: trendHref(a.repository) }, "trend of " + a.repository), " · ",
+      h("a", { href: compareHref(b.digest, a.digest) }, "swap A and B")),
+    h("section", { class: "card", id: "compare", "data-a": a.digest, "data-b": b.digest },
+      h("h2", null, "Compare engines"), h("div", { class: "sides" }, engineHead(a, "a"), engineHead(b, "b"))),
+    h("div", { class: "cols" },
+      h("section", { class: "card" }, h("h2", null, "Metrics", h("span", { class: "muted" }, "B − A: points for percentages, relative change otherwise")), metrics),
+      h("section", { class: "card" }, h("h2", null, "Gates", h("span", { class: "muted" }, "a row whose verdicts differ is highlighted")), gates)),
+    h("section", { class: "card" }, h("h2", null, "Provenance", h("span", { class: "muted", id: "differ-count" },
+      U.count(differ.length) + " of " + U.count(paths.length) + " fields differ (highlighted)")), prov));
+  document.title = "Compare — Kiln";
+  return false;
+}
+
+// -- a model's metrics across its builds ------------------------------------------------------------------------
+const TREND = [["ppl_increase_pct", "perplexity increase", U.percent], ["mean_kl", "mean KL", U.number],
+  ["peak_tokens_per_s", "peak throughput", U.rate], ["ttft_ms", "TTFT", ms]];
+const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
+const SVGNS = "http://www.w3.org/2000/svg";
+
+function sv(tag, attrs, ...children) {
+  const el = document.createElementNS(SVGNS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, String(v));
+  for (const c of children) el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return el;
+}
+
+function variantOf(e) { return [e.precision, e.target, e.profile, e.backend].join(" · "); }
+
+// One metric's line chart: x = the engine's place in time order, y from 0 to the largest value; a line per variant.
+function trendChart(engines, variants, [key, label, f]) {
+  const W = 440, H = 190, L = 48, R = 48, T = 44, B = 16, pw = W - L - R, ph = H - T - B;
+  const vals = engines.map((e) => e.metrics[key]).filter((v) => typeof v === "number");
+  const max = vals.length ? Math.max(...vals.map(Math.abs)) || 1 : 1;
+  const x = (i) => L + pw * (engines.length === 1 ? 0.5 : i / (engines.length - 1));
+  const y = (v) => T + ph - ph * Math.max(0, v) / max;
+  const svg = sv("svg", { width: W, height: H, viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": label, "data-trend": key },
+    sv("rect", { width: W, height: H, fill: "#fff" }),
+    sv("text", { x: 12, y: 16, "font-size": 13, "font-weight": 600, fill: "#1f2933" }, label),
+    sv("text", { x: W - 12, y: 16, "text-anchor": "end", "font-size": 11, fill: "#616e7c" }, "max " + (vals.length ? f(Math.max(...vals)) : "—")),
+    sv("line", { x1: L, x2: W - R, y1: T + ph, y2: T + ph, stroke: "#9aa5b1" }),
+    sv("line", { x1: L, x2: W - R, y1: T, y2: T, stroke: "#e4e7eb" }));
+  if (!vals.length) svg.append(sv("text", { x: W / 2, y: T + ph / 2, "text-anchor": "middle", fill: "#616e7c" }, "not measured"));
+  variants.forEach((variant, vi) => {
+    const color = COLORS[vi % COLORS.length];
+    const pts = engines.map((e, i) => [e, i]).filter(([e]) => variantOf(e) === variant && typeof e.metrics[key] === "number");
+    if (pts.length > 1) svg.append(sv("polyline", { points: pts.map(([e, i]) => x(i) + "," + y(e.metrics[key])).join(" "),
+      fill: "none", stroke: color, "stroke-width": 2 }));
+    for (const [e, i] of pts) {
+      svg.append(sv("circle", { cx: x(i), cy: y(e.metrics[key]), r: 4, fill: color, "data-digest": e.digest },
+        sv("title", null, e.tag + " " + (e.created_at || "") + ": " + f(e.metrics[key]))));
+    }
+    const last = pts[pts.length - 1];
+    if (last) svg.append(sv("text", { x: x(last[1]), y: y(last[0].metrics[key]) - 8, "text-anchor": "middle", "font-size": 11, fill: color },
+      f(last[0].metrics[key])));
+  });
+  return svg;
+}
+
+async function renderTrend(view, model) {
+  const body = await api("/v1/trend?model=" + encodeURIComponent(model));
+  const engines = body.engines;
+  const variants = [...new Set(engines.map(variantOf))];
+  const previous = {};  // digest → the engine of the same variant built just before it
+  const lastOf = {};
+  for (const e of engines) { previous[e.digest] = lastOf[variantOf(e)]; lastOf[variantOf(e)] = e.digest; }
+  view.replaceChildren(
+    h("p", null, h("a", { href: "#/" }, "← all builds and engines"), " · ", h("a", { href: "#/grid" }, "servable grid")),
+    h("section", { class: "card", id: "trend", "data-model": model },
+      h("h2", null, "Trend: " + model, h("span", { class: "muted" }, U.count(engines.length) + " engines, oldest first")),
+      h("div", { class: "legend" }, variants.map((v, i) => h("span", null, h("i", { class: "swatch c" + (i % COLORS.length) }), v))),
+      h("div", { class: "charts" }, TREND.map((t) => trendChart(engines, variants, t)))),
+    h("section", { class: "card" }, h("h2", null, "Builds"),
+      h("table", { id: "trend-table" },
+        h("thead", null, h("tr", null, ["built", "engine", "variant", "state", "validation"].concat(TREND.map((t) => t[1]), [""])
+          .map((t) => h("th", null, t)))),
+        h("tbody", null, engines.map((e) => h("tr", { "data-digest": e.digest },
+          h("td", { title: e.created_at || "" }, (e.created_at || "").slice(0, 19).replace("T", " ")),
+          h("td", null, h("a", { class: "mono", href: engineHref(e.digest) }, shortDigest(e.digest))),
+          h("td", null, variantOf(e)), h("td", null, badge(e.status)),
+          h("td", null, e.passed === true ? badge("pass") : e.passed === false ? badge("fail") : ""),
+          TREND.map(([k, , f]) => h("td", { class: "num", "data-metric": k }, typeof e.metrics[k] === "number" ? f(e.metrics[k]) : "—")),
+          h("td", null, previous[e.digest] ? h("a", { href: compareHref(previous[e.digest], e.digest), class: "compare-prev" }, "compare with previous") : "")))))));
+  document.title = "Trend " + model + " — Kiln";
+  return false;
+}
+
+// -- what is servable now ---------------------------------------------------------------------------------------
+async function renderGrid(view) {
+  const body = await api("/v1/grid");
+  const models = body.models.map((m) => {
+    const cells = Object.fromEntries(m.cells.map((c) => [c.precision + "|" + c.target, c]));
+    return h("div", { class: "model", "data-model": m.model },
+      h("h3", { class: "model" }, m.model, " ", h("a", { href: trendHref(m.model), class: "muted" }, "trend")),
+      m.cells.length ? h("table", { class: "grid-table" },
+        h("thead", null, h("tr", null, h("th", null, "precision \\ target"), m.targets.map((t) => h("th", null, t)))),
+        h("tbody", null, m.precisions.map((p) => h("tr", null, h("th", null, p), m.targets.map((t) => {
+          const c = cells[p + "|" + t];
+          return h("td", { class: c.servable ? "servable" : "unservable", "data-cell": m.model + "|" + p + "|" + t },
+            c.engines.map((e) => h("div", null, h("a", { class: "mono", href: engineHref(e.digest), "data-digest": e.digest }, shortDigest(e.digest)),
+              h("span", { class: "sub" }, " " + e.profile + " · " + e.backend))),
+            c.reasons.map((r) => h("div", { class: "sub", "data-code": r.code },
+              (r.profile ? r.profile + " · " + r.backend + ": " : "") + r.code + " — " + r.reason)));
+        }))))) : h("p", { class: "empty" }, "Tracked, with no matrix and no engine yet."));
+  });
+  view.replaceChildren(
+    h("p", null, h("a", { href: "#/" }, "← all builds and engines")),
+    h("section", { class: "card", id: "grid" },
+      h("h2", null, "Servable now", h("span", { class: "muted" }, "model × precision × target: the engine GET /v1/resolve answers, or why none")),
+      models.length ? models : h("p", { class: "empty" }, "No models tracked and no engines published yet.")));
+  document.title = "Servable grid — Kiln";
+}
+
 // -- routing and polling ---------------------------------------------------------------------------------------
 async function refresh() {
   clearTimeout(state.timer);
@@ -361,6 +572,12 @@ async function refresh() {
   try {
     if (route.startsWith("engine/")) {
       poll = await renderEngine(view, route.slice("engine/".length));
+    } else if (route.startsWith("compare")) {
+      poll = await renderCompare(view, route.slice("compare".length).replace(/^\?/, ""));
+    } else if (route.startsWith("trend/")) {
+      poll = await renderTrend(view, route.slice("trend/".length));
+    } else if (route === "grid") {
+      await renderGrid(view);
     } else {
       document.title = "Kiln";
       await renderHome(view);

@@ -12,10 +12,13 @@ import os
 import shutil
 import struct
 import subprocess
+from html.parser import HTMLParser
+from urllib.parse import urlencode
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kiln import units
 from scripts.devstack import Stack, tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -74,6 +77,11 @@ def served(tmp_path_factory):
         done = s.wait_build(r.json()["id"])
         assert done["status"] == "succeeded", done
         s.build = done
+        r = s.post("/v1/builds", tiny_spec(profile="throughput"))  # a second engine: compare, trend, grid
+        assert r.status_code in (200, 202), r.text
+        second = s.wait_build(r.json()["id"])
+        assert second["status"] == "succeeded", second
+        s.second = second
         yield s
     finally:
         s.close()
@@ -97,7 +105,7 @@ def test_engine_page_shows_validation_and_charts(served, tmp_path):
     url = f"{served.url}/#/engine/{digest}"
     dom = dump_dom(tmp_path / "profile", url)
     assert f'id="engine" data-digest="{digest}"' in dom
-    assert "max_ppl_increase_pct" in dom and "top-1 agreement" in dom and "kiln pull tiny-llama@" + digest in dom
+    assert "max_ppl_increase_pct" in dom and "top-1 agreement" in dom and f"kiln pull tiny-llama@{digest} ./engine --server {served.url}" in dom
     assert dom.count("data-chart=") == 2 and "/report.html" in dom
     png = screenshot(tmp_path / "profile", url, tmp_path / "engine.png", size="1280,1400")
     assert png_size(png) == (1280, 1400) and len(png) > 20_000
@@ -135,10 +143,127 @@ def test_kiln_fit_against_the_built_engine(served, tmp_path):
     r = served.kiln("fit", "--traffic", str(traffic), "--model", "tiny-llama", "--json", "--server", served.url)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout.strip().splitlines()[-1])
-    (engine,) = report["engines"]
-    assert engine["digest"] == served.build["digest"] and engine["coverage"] == 1.0 and report["drifted"] == []
+    engines = {e["digest"]: e for e in report["engines"]}  # the latency engine and the throughput one
+    assert set(engines) == {served.build["digest"], served.second["digest"]}
+    assert engines[served.build["digest"]]["coverage"] == 1.0 and report["drifted"] == []
     # the same traffic twice as long: over max_seq_len 512 → drift, and the CLI can fail a pipeline on it
     traffic.write_text("".join(json.dumps({"prompt_tokens": 200, "output_tokens": 400, "arrival_s": 10.0 * i})
                                + "\n" for i in range(20)))
     r = served.kiln("fit", "--traffic", str(traffic), "--model", "tiny-llama", "--fail-on-drift")
     assert r.returncode == 1 and "DRIFT" in r.stdout, r.stdout + r.stderr
+
+
+# -- release views: compare, trend, grid --------------------------------------------------------------------------
+class Node:
+    def __init__(self, tag: str, attrs: dict):
+        self.tag, self.attrs, self.children = tag, attrs, []
+
+    def get(self, name: str):
+        return self.attrs.get(name)
+
+    def text(self) -> str:
+        return " ".join("".join(c if isinstance(c, str) else c.text() + " " for c in self.children).split())
+
+    def find(self, tag: str | None = None, **attrs) -> list["Node"]:
+        """Descendants with this tag and these attribute values (``data_x`` is ``data-x``; True: present)."""
+        out = []
+        for c in self.children:
+            if isinstance(c, Node):
+                if (tag in (None, c.tag) and all((k.replace("_", "-") in c.attrs) if v is True
+                                                  else c.attrs.get(k.replace("_", "-")) == v for k, v in attrs.items())):
+                    out.append(c)
+                out.extend(c.find(tag, **attrs))
+        return out
+
+
+def parse(dom: str) -> Node:
+    """The rendered DOM (Chromium's --dump-dom) as a small tree, to read cells by their data- attributes."""
+    void = {"meta", "link", "input", "br", "img", "hr", "col", "source", "wbr"}
+    root = Node("#root", {})
+    stack = [root]
+
+    class P(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            node = Node(tag, dict((k, v or "") for k, v in attrs))
+            stack[-1].children.append(node)
+            if tag not in void:
+                stack.append(node)
+
+        def handle_endtag(self, tag):
+            for i in range(len(stack) - 1, 0, -1):
+                if stack[i].tag == tag:
+                    del stack[i:]
+                    break
+
+        def handle_data(self, data):
+            stack[-1].children.append(data)
+
+    P().feed(dom)
+    return root
+
+
+def cells(row: Node) -> list[str]:
+    return [td.text() for td in row.find("td")]
+
+
+def test_compare_page_puts_two_engines_side_by_side(served, tmp_path):
+    a, b = served.build["digest"], served.second["digest"]
+    url = f"{served.url}/#/compare?a={a}&b={b}"
+    dom = dump_dom(tmp_path / "profile", url)
+    assert f'data-a="{a}"' in dom and f'data-b="{b}"' in dom
+    ma = served.get(f"/v1/artifacts/{a}").json()
+    mb = served.get(f"/v1/artifacts/{b}").json()
+    va, vb = ma["validation"]["metrics"], mb["validation"]["metrics"]
+    (table,) = parse(dom).find("table", id="compare-metrics")
+    for key, fmt in (("ppl_increase_pct", units.percent), ("mean_kl", units.number),
+                     ("top1_agreement", units.fraction)):
+        (row,) = table.find("tr", data_metric=key)
+        assert cells(row)[:2] == [fmt(va[key]), fmt(vb[key])], (key, cells(row))
+    (peak,) = table.find("tr", data_metric="peak_tokens_per_s")
+    assert cells(peak)[:2] == [units.rate(max(p["tokens_per_s"] for p in v["throughput"])) for v in (va, vb)]
+    (gates,) = parse(dom).find("tr", data_gate="max_ppl_increase_pct")
+    gates = cells(gates)
+    gate = next(g for g in ma["validation"]["gates"] if g["name"] == "max_ppl_increase_pct")
+    assert gates[1] == units.gate_value(gate["name"], gate["value"]) and gates[3] in ("pass", "fail")
+    # the profile differs (latency vs throughput): highlighted; the checkpoint digest does not
+    (prov,) = parse(dom).find("table", id="compare-provenance")
+    differs = [r.get("data-field") for r in prov.find("tr", **{"class": "differs"})]
+    assert "profile" in differs and "checkpoint.digest" not in differs and "tag" in differs
+    png = screenshot(tmp_path / "profile", url, tmp_path / "compare.png", size="1280,1400")
+    assert png_size(png) == (1280, 1400) and len(png) > 20_000
+
+
+def test_trend_page_charts_the_models_metrics_across_builds(served, tmp_path):
+    url = f"{served.url}/#/trend/tiny-llama"
+    dom = dump_dom(tmp_path / "profile", url)
+    trend = served.get("/v1/trend?model=tiny-llama").json()["engines"]
+    assert [e["digest"] for e in trend] == [served.build["digest"], served.second["digest"]]  # oldest first
+    assert dom.count("data-trend=") == 4 and dom.count("<circle") >= 2 * 3  # ppl, KL, throughput at least
+    for e in trend:
+        m = e["metrics"]
+        (table,) = parse(dom).find("table", id="trend-table")
+        (row,) = table.find("tr", data_digest=e["digest"])
+        cell = {td.get("data-metric"): td.text() for td in row.find("td", data_metric=True)}
+        assert cell["ppl_increase_pct"] == units.percent(m["ppl_increase_pct"])
+        assert cell["mean_kl"] == units.number(m["mean_kl"])
+        assert cell["peak_tokens_per_s"] == units.rate(m["peak_tokens_per_s"])
+        assert cell["ttft_ms"] == (units.duration(m["ttft_ms"] / 1000) if m["ttft_ms"] is not None else "—")
+    assert "compare with previous" not in dom or "#/compare?a=" in dom
+    png = screenshot(tmp_path / "profile", url, tmp_path / "trend.png", size="1280,1100")
+    assert png_size(png) == (1280, 1100) and len(png) > 20_000
+
+
+def test_grid_page_shows_what_is_servable_and_why_not(served, tmp_path):
+    url = f"{served.url}/#/grid"
+    dom = dump_dom(tmp_path / "profile", url)
+    (model,) = [m for m in served.get("/v1/grid").json()["models"] if m["model"] == "tiny-llama"]
+    (cell,) = model["cells"]  # fp8 × cpu, two profiles, both fresh
+    (td,) = parse(dom).find("td", data_cell="tiny-llama|fp8|cpu")
+    assert td.get("class") == "servable"
+    assert sorted(a.get("data-digest") for a in td.find("a")) == sorted(e["digest"] for e in cell["engines"]) == sorted(
+        [served.build["digest"], served.second["digest"]])
+    for e in cell["engines"]:  # the same engine resolve answers
+        q = {"model": "tiny-llama", "precision": "fp8", "profile": e["profile"], "target": "cpu", "backend": "checkpoint"}
+        assert served.get("/v1/resolve?" + urlencode(q)).json()["digest"] == e["digest"]
+    png = screenshot(tmp_path / "profile", url, tmp_path / "grid.png")
+    assert png_size(png) == (1280, 900) and len(png) > 20_000

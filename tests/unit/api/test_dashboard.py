@@ -330,3 +330,58 @@ def test_a_body_behind_a_bom_is_held_to_the_depth_limit():
     deep = b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1)
     assert json_body_problem(deep) is not None
     assert json_body_problem(b"\xef\xbb\xbf" + deep)["message"].startswith("JSON nested deeper")
+
+
+# -- release views: trend and servable grid -------------------------------------------------------------------------
+def test_trend_lists_a_models_engines_oldest_first_with_the_indexed_metrics(app_env):
+    client, sessions = app_env
+    slower = {**VALIDATION, "metrics": {**VALIDATION["metrics"], "ppl_increase_pct": 1.25, "mean_kl": 0.02,
+                                        "ttft_ms": 41.5, "throughput": POINTS[:2]}}
+    first = add_engine(sessions, status="stale", validation=slower)
+    second = add_engine(sessions, tag="latest")
+    add_engine(sessions, model="acme/other")
+    body = client.get("/v1/trend", params={"model": "acme/tiny"}).json()
+    assert [e["digest"] for e in body["engines"]] == [first, second]
+    old, new = body["engines"]
+    assert old["status"] == "stale" and old["metrics"] == {
+        "ppl_increase_pct": 1.25, "mean_kl": 0.02, "top1_agreement": 0.936, "peak_tokens_per_s": 36000.0,
+        "ttft_ms": 41.5, "tpot_ms": None}
+    for e in body["engines"]:  # the same numbers as the engine's own report
+        m = client.get(f"/v1/artifacts/{e['digest']}").json()["validation"]["metrics"]
+        assert e["metrics"]["ppl_increase_pct"] == m["ppl_increase_pct"] and e["metrics"]["mean_kl"] == m["mean_kl"]
+        assert e["metrics"]["peak_tokens_per_s"] == max(p["tokens_per_s"] for p in m["throughput"])
+    assert new["passed"] is True and new["precision"] == "fp8" and new["target"] == "cpu"
+    r = client.get("/v1/trend", params={"model": "acme/none"})
+    assert r.status_code == 404 and r.json()["error"]["field"] == "model"
+
+
+def test_grid_cells_answer_what_resolve_answers(app_env):
+    from kiln.models import TrackedModel
+
+    client, sessions = app_env
+    fresh = add_engine(sessions)  # fp8 cpu latency checkpoint: servable
+    add_engine(sessions, profile="throughput", status="stale")  # fp8 cpu throughput: only stale
+    with sessions() as s:  # tracked, asking also for nvfp4 on sm100, never built
+        s.add(TrackedModel(name="acme/tiny", checkpoint="hf://acme/tiny@main", hf_repo="acme/tiny", branch="main",
+                           head_sha=None, matrix=[{"precision": "nvfp4", "profile": "latency", "target": "b200",
+                                                   "backend": "checkpoint"}], gates={}))
+        s.commit()
+    (m,) = client.get("/v1/grid", params={"model": "acme/tiny"}).json()["models"]
+    assert m["model"] == "acme/tiny" and m["precisions"] == ["fp8", "nvfp4"] and m["targets"] == ["cpu", "sm100"]
+    cells = {(c["precision"], c["target"]): c for c in m["cells"]}
+    assert len(cells) == 4
+    cpu = cells["fp8", "cpu"]
+    assert cpu["servable"] and cpu["engines"] == [
+        {"profile": "latency", "backend": "checkpoint", "digest": fresh, "tag": "fp8-cpu-latency-checkpoint"}]
+    (stale,) = cpu["reasons"]
+    q = {"model": "acme/tiny", "precision": "fp8", "profile": "throughput", "target": "cpu", "backend": "checkpoint"}
+    r = client.get("/v1/resolve", params=q)
+    assert r.status_code == 409 and stale["code"] == r.json()["error"]["code"] == "stale_only"
+    assert stale["reason"] == r.json()["error"]["message"]
+    assert client.get("/v1/resolve", params={**q, "profile": "latency"}).json()["digest"] == fresh
+    (unbuilt,) = cells["nvfp4", "sm100"]["reasons"]
+    r = client.get("/v1/resolve", params={**q, "precision": "nvfp4", "profile": "latency", "target": "sm100"})
+    assert not cells["nvfp4", "sm100"]["servable"] and unbuilt["reason"] == r.json()["error"]["message"]
+    assert cells["fp8", "sm100"]["reasons"][0]["code"] == "not_built" and not cells["fp8", "sm100"]["engines"]
+    everything = client.get("/v1/grid").json()["models"]
+    assert [x["model"] for x in everything] == ["acme/tiny"]

@@ -28,6 +28,7 @@ EXPECTED = {
     ("PUT", "/v1/models/{model}"): "builds:write", ("POST", "/v1/models/{model}/refresh"): "builds:write",
     ("GET", "/v1/resolve"): "artifacts:read", ("GET", "/v1/tags"): "artifacts:read",
     ("GET", "/v1/workers"): "artifacts:read", ("POST", "/v1/fit"): "artifacts:read",
+    ("GET", "/v1/trend"): "artifacts:read", ("GET", "/v1/grid"): "artifacts:read",
     ("GET", "/v1/keys"): "artifacts:read", ("GET", "/v1/support"): "artifacts:read",
     ("POST", "/v1/admission/validate"): "artifacts:read",  # the admission webhook only reads
     ("GET", "/v2/"): "artifacts:read", ("GET", "/v2/_catalog"): "artifacts:read",
