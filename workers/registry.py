@@ -11,8 +11,8 @@ from kiln.models import Worker
 
 import os
 
-HEARTBEAT_S = float(os.environ.get("KILN_HEARTBEAT_S", "5"))
-LIVE_WINDOW_S = float(os.environ.get("KILN_WORKER_LIVE_WINDOW_S", "30"))
+HEARTBEAT_S = float(os.environ.get("KILN_HEARTBEAT_S") or 5)  # empty: unset, as for every setting
+LIVE_WINDOW_S = float(os.environ.get("KILN_WORKER_LIVE_WINDOW_S") or 30)
 
 
 def _aware(ts: datetime) -> datetime:
