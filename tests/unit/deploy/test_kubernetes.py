@@ -453,3 +453,14 @@ def test_the_webhook_covers_what_docs_admission_says_it_must():
                  for r in rule["resources"]}
     assert {("", "pods"), ("", "pods/ephemeralcontainers"), ("apps", "deployments"), ("apps", "statefulsets"),
             ("apps", "daemonsets"), ("apps", "replicasets"), ("batch", "jobs"), ("batch", "cronjobs")} <= resources
+
+
+def test_every_kiln_container_image_is_tagged_in_every_shape(rendered):
+    """A component's resources are not touched by the base's `images` (kustomize applies a kustomization's image
+    settings to its own resources): the admission webhook once came out as a bare `kiln`, i.e. `:latest`."""
+    for d in rendered:
+        pod = pod_spec(d)
+        for c in containers(pod) if pod else []:
+            name, _, tag = c["image"].rpartition(":")
+            if c["image"].split(":")[0].split("/")[-1].startswith("kiln"):
+                assert name and tag and tag != "latest", (d["metadata"]["name"], c["image"])
