@@ -21,7 +21,7 @@ from kiln.errors import ArtifactUnknown, SpecError
 from kiln.models import Artifact, EngineName, Tag
 from kiln.spec import PROFILES
 from validation import fit as fitting
-from validation.report import CSP_META, REPORT_CSP
+from validation.report import REPORT_CSP, document_for_row, render_html
 from workers.resolution import servable_grid
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -202,56 +202,12 @@ def throughput_chart(digest: str, session: SessionDep, by: str = Query("batch", 
                     headers={"Cache-Control": "public, max-age=31536000, immutable"})  # a digest's report never changes
 
 
-def _report_page(row: Artifact) -> str:
-    """A minimal validation page (server-side SVG; no scripts), for installs without validation/report.py."""
-    e = html.escape
-    v = row.validation or {}
-    m = v.get("metrics") or {}
-    rows = []
-    for key, label, fmt in (("perplexity", "perplexity", units.number),
-                            ("reference_perplexity", "reference perplexity", units.number),
-                            ("ppl_increase_pct", "perplexity increase", units.percent),
-                            ("top1_agreement", "top-1 agreement", units.fraction), ("mean_kl", "mean KL", units.number),
-                            ("tokens", "evaluation tokens", units.count)):
-        if isinstance(m.get(key), (int, float)):
-            rows.append(f"<tr><th>{e(label)}</th><td>{e(fmt(m[key]))}</td></tr>")
-    gates = "".join(
-        f"<tr><td>{e(units.gate_label(str(g.get('name'))))}</td><td>{e(units.gate_value(str(g.get('name')), g.get('value')))}</td>"
-        f"<td>{e(units.gate_op(str(g.get('name'))) + ' ' + units.gate_value(str(g.get('name')), g.get('threshold')))}</td>"
-        f"<td class=\"{'pass' if g.get('passed') else 'fail'}\">{'pass' if g.get('passed') else 'FAIL'}</td></tr>"
-        for g in v.get("gates") or [] if isinstance(g, dict))
-    points = "".join(
-        f"<tr><td>{e(str(p.get('batch_size')))}</td><td>{e(str(p.get('seq_len')))}</td>"
-        f"<td>{e(units.rate(p.get('tokens_per_s')))}</td></tr>"
-        for p in m.get("throughput") or [] if isinstance(p, dict))
-    verdict = "PASSED" if v.get("passed") else "FAILED"
-    return (
-        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f"<title>{e(row.repository)}:{e(row.tag)} validation</title><style>"
-        "body{font:14px system-ui,sans-serif;color:#1f2933;margin:16px}table{border-collapse:collapse;margin:8px 0 16px}"
-        "th,td{padding:3px 10px;border-bottom:1px solid #e4e7eb;text-align:left}.pass{color:#15803d}.fail{color:#b91c1c;"
-        "font-weight:600}figure{display:inline-block;margin:0 16px 16px 0}</style></head><body>"
-        f"<h1>{e(row.repository)}:{e(row.tag)}</h1><p><code>{e(row.digest)}</code> — validation "
-        f"<strong class=\"{'pass' if v.get('passed') else 'fail'}\">{verdict}</strong></p>"
-        f"<table>{''.join(rows)}</table>"
-        + (f"<h2>Gates</h2><table><tr><th>gate</th><th>value</th><th>threshold</th><th></th></tr>{gates}</table>" if gates else "")
-        + f"<h2>Throughput</h2><figure>{throughput_svg(v, 'batch')}</figure><figure>{throughput_svg(v, 'seq')}</figure>"
-        + (f"<table><tr><th>batch</th><th>sequence</th><th>tokens/s</th></tr>{points}</table>" if points else "")
-        + "</body></html>")
-
-
 @router.get("/v1/artifacts/{digest}/report.html", response_class=HTMLResponse)
 def report_html(digest: str, session: SessionDep):
     """The engine's validation report as one self-contained HTML page with its charts (server-side SVG): the
     same page as ``kiln report DIGEST --format html`` (validation/report.py)."""
     row = _artifact(session, digest)
-    try:
-        from validation.report import document_for_row, render_html
-    except ImportError:  # a build without the report module: the minimal page
-        # the policy also in the page itself: the dashboard opens the report from a blob: URL, without these headers
-        page = _report_page(row).replace("<head>", f"<head>{CSP_META}", 1)
-    else:
-        page = render_html(document_for_row(row), status=row.status)  # which carries the policy itself
+    page = render_html(document_for_row(row), status=row.status)  # which carries the policy itself
     return HTMLResponse(page, headers={"Content-Security-Policy": REPORT_CSP, "Cache-Control": "no-cache",
                                        **PAGE_HEADERS})
 

@@ -161,17 +161,6 @@ def test_report_page(app_env):
     assert client.get(f"/v1/artifacts/sha256:{'0' * 64}/report.html").status_code == 404
 
 
-def test_report_page_without_the_report_module(app_env, monkeypatch):
-    import sys
-
-    monkeypatch.setitem(sys.modules, "validation.report", None)  # import fails: the minimal page
-    client, sessions = app_env
-    d = add_engine(sessions)
-    r = client.get(f"/v1/artifacts/{d}/report.html")
-    assert r.status_code == 200 and d in r.text and "PASSED" in r.text and r.text.count("<svg") == 2
-    assert "<script" not in r.text
-
-
 # -- POST /v1/fit ---------------------------------------------------------------------------------------------------
 def test_fit_endpoint_flags_drifted_engines(app_env):
     client, sessions = app_env
