@@ -171,13 +171,12 @@ REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; fram
 CSP_META = f'<meta http-equiv="Content-Security-Policy" content="{REPORT_CSP}">'
 
 
-def render_html(doc: dict, *, status: str | None = None) -> str:
-    """A self-contained page: the verdict first, then gates, charts (inline SVG) and the conditions."""
+def _verdict_section(doc: dict, name: str, status: str | None) -> list[str]:
+    """The verdict banner, the title, the engine's identity and the failed gates."""
     e = doc.get("engine") or {}
     passed = doc.get("verdict") == "pass"
     gates = doc.get("gates") or []
     judged_ok = sum(1 for g in gates if g.get("passed"))
-    name = f"{e.get('repository')}:{e.get('tag')}"
     parts = [f'<header class="verdict {"pass" if passed else "fail"}" id="verdict">'
              f'<div class="big">{"PASS" if passed else "FAIL"}</div>'
              f'<div>{judged_ok} of {len(gates)} gates passed · {escape(name)}'
@@ -193,6 +192,13 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
                         f"{escape(units.gate_value(g['name'], g.get('threshold')))}</li>" for g in failed)
         parts.append(f"<p>Failed gates:</p><ul>{items}</ul>")
 
+    return parts
+
+
+def _gates_section(doc: dict) -> list[str]:
+    """Every gate with its value, interval, threshold and decision; the ones not judged and why."""
+    gates = doc.get("gates") or []
+    parts: list[str] = []
     # gates
     rows = []
     for g in gates:
@@ -210,6 +216,13 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     parts.append(_sequential_note(doc))
     parts += _recipe_section(doc.get("quantization") or {})
 
+    return parts
+
+
+def _accuracy_section(doc: dict) -> list[str]:
+    """Perplexity charts against the reference (and the previous engine), agreement, detectable change, tasks."""
+    gates = doc.get("gates") or []
+    parts: list[str] = []
     # accuracy
     reg = doc.get("regression") or {}
     prev = reg.get("previous") or None
@@ -241,6 +254,11 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
             ["mean KL", _fmt(doc.get("mean_kl")), _fmt(prev.get("mean_kl"))],
         ], (1, 2)))
 
+    return parts
+
+
+def _throughput_section(doc: dict) -> list[str]:
+    parts: list[str] = []
     # throughput
     points = doc.get("throughput") or []
     profile = (doc.get("spec") or {}).get("profile") or {}
@@ -264,6 +282,11 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
                           units.duration(p.get("seconds_spread")), _fmt(p.get("reps"))] for p in points],
                         (0, 1, 2, 3, 4, 5, 6)))
 
+    return parts
+
+
+def _latency_section(doc: dict) -> list[str]:
+    parts: list[str] = []
     # latency
     cond = doc.get("conditions") or {}
     lat_cond = cond.get("latency") or {}
@@ -275,6 +298,12 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
                           _ms(p.get("ttft_ms")), _ms(p.get("tpot_ms")), units.rate(p.get("decode_tokens_per_s")),
                           _fmt(p.get("reps"))] for p in doc.get("latency") or []], (0, 1, 2, 3, 4, 5, 6)))
 
+    return parts
+
+
+def _memory_section(doc: dict) -> list[str]:
+    cond = doc.get("conditions") or {}
+    parts: list[str] = []
     # memory
     mem_cond = cond.get("memory") or {}
     budget = doc.get("memory_budget_bytes")
@@ -290,6 +319,13 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
                  f"({escape(str((cond.get('gate_sources') or {}).get('max_peak_memory_bytes', '')))}). Measured by: "
                  f"{escape(str(mem_cond.get('method') or '—'))}.</p>")
 
+    return parts
+
+
+def _regression_section(doc: dict) -> list[str]:
+    reg = doc.get("regression") or {}
+    prev = reg.get("previous") or None
+    parts: list[str] = []
     # regression
     parts.append("<h2>Regression against the previous engine</h2>")
     if prev:
@@ -312,6 +348,13 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     if reg.get("override_reason"):
         parts.append(f'<p class="note">Override reason: {escape(str(reg["override_reason"]))}</p>')
 
+    return parts
+
+
+def _build_sections(doc: dict) -> list[str]:
+    """The stage timeline, the conditions, the build spec and the toolchain."""
+    cond = doc.get("conditions") or {}
+    parts: list[str] = []
     # timeline
     stages = doc.get("stages") or []
     parts.append("<h2>Stage timeline</h2>" + svg.timeline(
@@ -326,6 +369,22 @@ def render_html(doc: dict, *, status: str | None = None) -> str:
     parts.append("<h2>Toolchain</h2>" + _table(["tool", "version"], [
         [k, str(v)] for k, v in sorted((doc.get("toolchain") or {}).items())]))
 
+    return parts
+
+
+def render_html(doc: dict, *, status: str | None = None) -> str:
+    """A self-contained page: the verdict first, then gates, charts (inline SVG) and the conditions."""
+    e = doc.get("engine") or {}
+    passed = doc.get("verdict") == "pass"
+    name = f"{e.get('repository')}:{e.get('tag')}"
+    parts = _verdict_section(doc, name, status)
+    parts += _gates_section(doc)
+    parts += _accuracy_section(doc)
+    parts += _throughput_section(doc)
+    parts += _latency_section(doc)
+    parts += _memory_section(doc)
+    parts += _regression_section(doc)
+    parts += _build_sections(doc)
     title = f"{'PASS' if passed else 'FAIL'} — Kiln validation report {name}"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">" + CSP_META +
             f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(parts)
