@@ -226,9 +226,28 @@ def default_model_name(ref: str, *, path: Path | None = None) -> str:
 
 
 def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
+    """Every rule a spec breaks, in a fixed order (the first names what to fix first): names, then shapes and
+    ranges, then the descriptors' rules (target, backend, precision, recipe), then gates."""
     errs: list[dict] = []
     if (e := check_checkpoint_ref(d["checkpoint"], roots, resolved=resolved)):
         errs.append(e)
+    errs += _name_rules(d)
+    prof, profile_errs = _profile(d)
+    errs += profile_errs
+    errs += _task_rules(d, roots)
+    errs += _range_rules(d, prof)
+    errs += _target_rules(d)
+    errs += _recipe_rules(d)
+    errs += _gate_rules(d)
+    if len(d.get("override_reason") or "") > 2000:
+        errs.append(_bad("override_reason", "is longer than 2000 characters", "say why in fewer words"))
+    return errs
+
+
+def _name_rules(d: dict[str, Any]) -> list[dict]:
+    """Precision, KV cache and backend are names their tables know; the target is normalised (a GPU name → its
+    SM) in ``d``; the repository name is one a registry takes."""
+    errs: list[dict] = []
     if d["precision"] not in PRECISIONS:
         errs.append(_bad("precision", f"{d['precision']!r} is not supported", f"use one of: {', '.join(PRECISIONS)}"))
     if d["kv_cache"] not in KV_CACHES:
@@ -242,23 +261,40 @@ def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
     if name is not None and (len(name) > 255 or not MODEL_NAME_RE.fullmatch(name)):  # no trailing newline
         errs.append(_bad("model_name", f"{name!r} is not a valid repository name",
                          "use lowercase letters, digits, '.', '_', '-' and '/' separators, e.g. acme/tiny"))
+    return errs
+
+
+def _profile(d: dict[str, Any]) -> tuple[dict, list[dict]]:
+    """The batch profile's fields (a named profile replaced by its own in ``d``), and the error of an unknown name
+    (then ``latency``'s fields, so the other rules still run)."""
     prof = d["profile"]
-    if isinstance(prof, str):
-        if prof not in PROFILES:
-            errs.append(_bad("profile", f"unknown profile {prof!r}",
-                             f"use one of: {', '.join(PROFILES)}, or give max_batch_size, max_input_len, max_seq_len, max_num_tokens"))
-            prof = PROFILES["latency"].model_dump()  # keep checking the other fields
-        else:
-            d["profile"] = PROFILES[prof]
-            prof = d["profile"].model_dump()
-    ints = {f"profile.{k}": prof.get(k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")}
+    if not isinstance(prof, str):
+        return prof, []
+    if prof not in PROFILES:
+        return PROFILES["latency"].model_dump(), [_bad(
+            "profile", f"unknown profile {prof!r}",
+            f"use one of: {', '.join(PROFILES)}, or give max_batch_size, max_input_len, max_seq_len, max_num_tokens")]
+    d["profile"] = PROFILES[prof]
+    return d["profile"].model_dump(), []
+
+
+def _task_rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
+    """At most MAX_TASKS task files, each where a task may be and of a kind Kiln reads (content: at resolve)."""
+    errs: list[dict] = []
     if len(d["evaluation"].tasks) > MAX_TASKS:
         errs.append(_bad("evaluation.tasks", f"{len(d['evaluation'].tasks)} task files", f"give at most {MAX_TASKS}"))
-    for name in d["evaluation"].tasks[:MAX_TASKS]:  # where each is and what kind; its content is checked at resolve
+    for name in d["evaluation"].tasks[:MAX_TASKS]:
         try:
             task_path(name, roots=roots)
         except SpecError as exc:
             errs.append(_bad("evaluation.tasks", exc.message, exc.fix))
+    return errs
+
+
+def _range_rules(d: dict[str, Any], prof: dict) -> list[dict]:
+    """Every integer within its LIMITS; the profile consistent with itself; tensor parallelism a power of two."""
+    errs: list[dict] = []
+    ints = {f"profile.{k}": prof.get(k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")}
     ints |= {"tp_size": d["tp_size"], "calibration.samples": d["calibration"].samples,
              "calibration.seq_len": d["calibration"].seq_len, "evaluation.seq_len": d["evaluation"].seq_len,
              "evaluation.max_tokens": d["evaluation"].max_tokens}
@@ -278,8 +314,13 @@ def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
                          "lower max_num_tokens (a batch can never hold more tokens; trtllm-build would cap it)"))
     if d["tp_size"] & (d["tp_size"] - 1):
         errs.append(_bad("tp_size", f"{d['tp_size']} is not a power of two", "use 1, 2, 4 or 8"))
-    errs += _target_rules(d)
-    errs += _recipe_rules(d)
+    return errs
+
+
+def _gate_rules(d: dict[str, Any]) -> list[dict]:
+    """Known gates with finite values (memory: positive bytes); the regression gate and any gate looser than the
+    precision's default only with an ``override_reason``."""
+    errs: list[dict] = []
     for gname, value in d["gates"].items():
         if gname not in GATE_NAMES:
             errs.append(_bad(f"gates.{gname}", "unknown gate", f"use one of: {', '.join(GATE_NAMES)}"))
@@ -293,8 +334,6 @@ def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
     if d["precision"] in PRECISIONS and all(isinstance(v, (int, float)) and math.isfinite(v) for v in d["gates"].values()):
         errs += looser_than(d, dict(PRECISIONS[d["precision"]].gates), Evaluation().model_dump(),
                             f"the {d['precision']} default")
-    if len(d.get("override_reason") or "") > 2000:
-        errs.append(_bad("override_reason", "is longer than 2000 characters", "say why in fewer words"))
     return errs
 
 
