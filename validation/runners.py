@@ -415,7 +415,7 @@ class TRTLLMRunner:
         import subprocess
         import tempfile
 
-        from validation.measure import batch_points
+        from validation.points import batch_points
 
         engine_dir = Path(engine_dir)
         if run is None and shutil.which("trtllm-bench") is None:

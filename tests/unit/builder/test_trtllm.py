@@ -465,7 +465,7 @@ def test_throughput_with_trtllm_bench_runs_one_bench_per_batch_size(engine_dir, 
     run = BenchStandIn()
     points = TRTLLMRunner.throughput_with_trtllm_bench(engine_dir, PROFILES["balanced"], workdir=tmp_path / "w",
                                                        run=run)
-    assert [p["batch_size"] for p in points] == [1, 2, 4, 8]  # validation.measure.batch_points(8)
+    assert [p["batch_size"] for p in points] == [1, 2, 4, 8]  # validation.points.batch_points(8)
     assert [p["tokens_per_s"] for p in points] == [1000.0, 2000.0, 4000.0, 8000.0]
     assert all(p["seq_len"] == 256 and p["output_len"] == 64 and p["ttft_ms"] == 6.25 for p in points)
     first = run.calls[0]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kiln.spec import PROFILES, BatchProfile
-from validation.measure import batch_points, conditions, seq_points, throughput, windows
+from validation.measure import conditions, throughput, windows
+from validation.points import batch_points, seq_points
 
 
 def prof(batch=8, inp=256, seq=512, tokens=4096):
