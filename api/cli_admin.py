@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import click
 
-from api.cli import _context, main
+from api.cli_base import _context, main
 from kiln import units
 
 

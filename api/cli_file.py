@@ -142,7 +142,7 @@ def _build_here(data: dict, name: str, *, dry_run: bool, as_json: bool, force: b
 
     if is_client():  # one line, exit 3: nothing here can quantize or compile
         raise client_refusal("a local build" if not dry_run else "a local build plan")
-    from api.cli import _context
+    from api.cli_base import _context
     from builder.pipeline import Builder
     from kiln.document import parse_document
     from kiln.settings import get_settings

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from api.cli import main
+from api.cli_base import main
 from kiln import units
 from kiln.errors import SpecError, ValidationFailed
 from validation import fit as fitting
@@ -80,7 +80,7 @@ def _remote_engines(server: str, model: str) -> list[dict]:
 
 
 def _local_engines(model: str) -> list[dict]:
-    from api.cli import _context
+    from api.cli_base import _context
     from api.routes.dashboard import fresh_engines
 
     _, _, sessions = _context()

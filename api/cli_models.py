@@ -8,7 +8,7 @@ import json
 
 import click
 
-from api.cli import main
+from api.cli_base import main
 
 
 def support_table_markdown() -> str:

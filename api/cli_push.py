@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from api.cli import _context, _find_artifact, main
+from api.cli_base import _context, _find_artifact, main
 from api.output import json_line
 
 

@@ -11,7 +11,7 @@ from xml.etree import ElementTree as ET
 
 import click
 
-from api.cli import _context, _find_artifact, main
+from api.cli_base import _context, _find_artifact, main
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -7,7 +7,7 @@ import json
 
 import click
 
-from api.cli import _context, main
+from api.cli_base import _context, main
 
 
 def _resolve_local(query: dict) -> dict:

@@ -12,7 +12,7 @@ import time
 
 import click
 
-from api.cli import main
+from api.cli_base import main
 from kiln.errors import SpecError
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from api.cli import _context, _find_artifact, main
+from api.cli_base import _context, _find_artifact, main
 from kiln.errors import DigestMismatch, SignatureInvalid, SpecError, UnsafeLayer
 
 
