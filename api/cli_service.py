@@ -52,7 +52,7 @@ def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None
     from kiln.settings import get_settings
     from workers.celery_app import app
     from workers.reconcile import reclaim_orphans, redis_depth, requeue_lost
-    from workers.registry import HEARTBEAT_S, heartbeat
+    from workers.liveness import HEARTBEAT_S, heartbeat
     from workers.submit import celery_enqueue
 
     sessions = db.session_factory(get_settings().db_url)
@@ -92,7 +92,7 @@ def worker(queues: str | None, concurrency: int, name: str | None) -> None:
     from kiln import db
     from kiln.settings import get_settings
     from workers.capabilities import detect
-    from workers.registry import register
+    from workers.liveness import register
 
     if concurrency < 1:
         raise SpecError(f"--concurrency must be at least 1, not {concurrency}", field="concurrency",

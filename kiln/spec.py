@@ -413,10 +413,10 @@ def _target_rules(d: dict[str, Any]) -> list[dict]:
         return []  # already reported
     errs, target, backend, precision = [], d["target"], BACKENDS[d["backend"]], PRECISIONS[d["precision"]]
     sm = GPU_ARCHS.get(target)
-    gpu_backends = [b.name for b in BACKENDS.values() if not b.gpu_only]
+    cpu_capable = [b.name for b in BACKENDS.values() if not b.gpu_only]
     if backend.gpu_only and target == "cpu":
         errs.append(_bad("target", f"a {backend.name} build needs a GPU target",
-                         f"use --target sm89|sm90|sm100|sm120 (or a GPU name), or --backend {' / '.join(gpu_backends)} for cpu"))
+                         f"use --target sm89|sm90|sm100|sm120 (or a GPU name), or --backend {' / '.join(cpu_capable)} for cpu"))
     if sm is not None and sm < precision.min_sm:
         errs.append(_bad("precision", f"{precision.name} needs sm{precision.min_sm}+, target is sm{sm}",
                          "use a newer GPU target"))

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kiln.models import Build, Worker
 from kiln.states import move_build_if_unchanged
-from workers.registry import is_live
+from workers.liveness import is_live
 
 log = logging.getLogger(__name__)
 

@@ -87,7 +87,7 @@ def after_storage_error(sessions, build_id: str, exc: StorageUnavailable, *, las
 
 def _alive(session: Session, name: str) -> bool:
     from kiln.models import Worker
-    from workers.registry import is_live
+    from workers.liveness import is_live
 
     w = session.get(Worker, name)
     return w is not None and is_live(w)

@@ -24,7 +24,7 @@ from kiln.states import create_build
 from validation.gates import effective_gates
 from validation.validate import judge_naming
 from workers.capabilities import routing_queues
-from workers.registry import is_live, waiting_reason, workers_for
+from workers.liveness import is_live, waiting_reason, workers_for
 
 Enqueue = Callable[[str, str], None]
 

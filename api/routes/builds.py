@@ -16,7 +16,7 @@ from kiln.errors import BuildUnknown
 from kiln.models import TERMINAL, Build, BuildEvent
 from kiln.document import document_schema, is_matrix, parse_document
 from kiln.states import request_cancel
-from workers.registry import waiting_reason
+from workers.liveness import waiting_reason
 from workers.submit import submit_many
 
 router = APIRouter(prefix="/v1/builds", tags=["builds"])

@@ -102,7 +102,7 @@ class KilnCollector(Collector):
         return []
 
     def collect(self):
-        from workers.registry import is_live
+        from workers.liveness import is_live
 
         with self.state.sessions() as s:
             builds = dict(s.execute(select(Build.status, func.count()).group_by(Build.status)).all())

@@ -7,7 +7,7 @@ from sqlalchemy import select
 
 from api.deps import SessionDep
 from kiln.models import Worker
-from workers.registry import is_live
+from workers.liveness import is_live
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 

@@ -45,7 +45,7 @@ def test_tuning_variables_read_outside_settings_treat_empty_as_unset():
     from pathlib import Path
 
     env = {**os.environ, "KILN_HEARTBEAT_S": "", "KILN_WORKER_LIVE_WINDOW_S": ""}
-    out = subprocess.run([sys.executable, "-c", "from workers import registry as r; print(r.HEARTBEAT_S, r.LIVE_WINDOW_S)"],
+    out = subprocess.run([sys.executable, "-c", "from workers import liveness as r; print(r.HEARTBEAT_S, r.LIVE_WINDOW_S)"],
                          cwd=Path(__file__).resolve().parents[3], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["5.0", "30.0"]

@@ -174,7 +174,7 @@ def test_the_reconciler_goes_on_past_a_build_it_leaves_alone(env):
 # -- the worker registry ------------------------------------------------------------------------------------------
 def test_the_registry_registers_beats_and_says_who_serves_a_queue(env):
     from kiln.models import Worker
-    from workers import registry
+    from workers import liveness as registry
 
     settings, sessions, _ = env
     q = "kiln.aot-inductor.cpu"
