@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from artifacts.interfaces import BlobInfo, BlobStore, Survey
 from artifacts.tarball import ChunkReader, HashingReader, tar_chunks, unpack_tar
@@ -92,7 +92,7 @@ def push_engine_image(
     ``layer_survey`` is that first read made ahead (:func:`survey_engine_layer`).
     """
     tar_chunks(engine_dir)  # refuses a symlink or a special file before the store is touched
-    layer = store.put_source(lambda: ChunkReader(tar_chunks(engine_dir)), layer_survey)
+    layer = store.put_source(lambda: cast(BinaryIO, ChunkReader(tar_chunks(engine_dir))), layer_survey)
     config = {
         "created": created,
         "architecture": "amd64",
@@ -118,7 +118,7 @@ def push_engine_image(
 def survey_engine_layer(store: BlobStore, engine_dir: Path) -> Survey:
     """The first read of :func:`push_engine_image`'s layer, on its own: a build makes it while validation
     runs, so that publishing is one read of the engine, the upload."""
-    return store.survey(lambda: ChunkReader(tar_chunks(engine_dir)))
+    return store.survey(lambda: cast(BinaryIO, ChunkReader(tar_chunks(engine_dir))))  # a binary file object
 
 
 def push_referrer(

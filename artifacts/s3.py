@@ -142,11 +142,11 @@ class S3BlobStore(BlobStore):
                                      "nothing was stored") from None
         return BlobInfo(survey.digest, survey.size)
 
-    def _put_known(self, parts: Iterator[bytes], digest: str) -> BlobInfo:
+    def _put_known(self, parts: Iterator[bytes | bytearray], digest: str) -> BlobInfo:
         """Multipart upload straight to the final key, completed only if the bytes match."""
 
-        def matches(actual: str) -> bool:
-            check_expected(digest, actual, self.url)
+        def matches(actual: str | None) -> bool:  # hashed on the way (no expected CRCs): never None here
+            check_expected(digest, str(actual), self.url)
             return True
 
         with s3_errors(f"store {digest}"):
@@ -155,7 +155,7 @@ class S3BlobStore(BlobStore):
             )
         return BlobInfo(digest, size)
 
-    def _put_small(self, data: bytes, expected_digest: str | None) -> BlobInfo:
+    def _put_small(self, data: bytes | bytearray, expected_digest: str | None) -> BlobInfo:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         check_expected(expected_digest, digest, self.url)
         if expected_digest is None and (existing := self._existing(digest)):
@@ -165,14 +165,15 @@ class S3BlobStore(BlobStore):
             self._create(self._client.put_object, Key=key, Body=data, ChecksumSHA256=checksum)
         return BlobInfo(digest, len(data))
 
-    def _put_staged(self, parts: Iterator[bytes]) -> BlobInfo:
+    def _put_staged(self, parts: Iterator[bytes | bytearray]) -> BlobInfo:
         """Multipart upload to a staging key, then (unless the blob exists) copy into place."""
         staging = paths.under(self.prefix, paths.upload_path())
         try:
             with s3_errors("stage an upload"):
-                digest, size, completed = upload_in_parts(
-                    self._client, self.bucket, staging, parts, lambda d: not self.exists(d), create_only=False
+                hashed, size, completed = upload_in_parts(
+                    self._client, self.bucket, staging, parts, lambda d: not self.exists(str(d)), create_only=False
                 )
+            digest = str(hashed)  # hashed on the way (no expected CRCs): never None here
             if not completed:  # aborted: an equal blob is already committed
                 return self.stat(digest)
             with s3_errors(f"commit {digest}"):
@@ -270,7 +271,8 @@ def _survey(open_source: Callable[[], BinaryIO], part_size: int) -> tuple[str, l
     share the work (reading or making the bytes, SHA-256, CRC32; hashlib and zlib let go of the GIL on
     large buffers), so the pass costs about one SHA-256 of the source rather than the sum of the three;
     at most three parts are held in memory."""
-    hasher, size, parts, stop = hashlib.sha256(), 0, queue.Queue(maxsize=2), threading.Event()
+    hasher, size, stop = hashlib.sha256(), 0, threading.Event()
+    parts: queue.Queue[bytearray | None] = queue.Queue(maxsize=2)
 
     def read() -> None:
         try:
@@ -296,7 +298,7 @@ def _survey(open_source: Callable[[], BinaryIO], part_size: int) -> tuple[str, l
         return "sha256:" + hasher.hexdigest(), [c.result() for c in crcs], size
 
 
-def _parts(head: tuple[bytes, ...], stream: BinaryIO, part_size: int) -> Iterator[bytes]:
+def _parts(head: tuple[bytes | bytearray, ...], stream: BinaryIO, part_size: int) -> Iterator[bytes | bytearray]:
     yield from head
     while part := _read_full(stream, part_size):
         yield part

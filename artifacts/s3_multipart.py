@@ -19,12 +19,12 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 
-def b64_sha256(data: bytes) -> str:
+def b64_sha256(data: bytes | bytearray) -> str:
     """The ``x-amz-checksum-sha256`` value of ``data``: S3 refuses the bytes if they differ."""
     return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
-def b64_crc32(data: bytes) -> str:
+def b64_crc32(data: bytes | bytearray) -> str:
     """The ``x-amz-checksum-crc32`` value of ``data`` (what boto3 sends by default)."""
     return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
 
@@ -36,7 +36,7 @@ def is_precondition_failed(error: ClientError) -> bool:
 UPLOAD_THREADS = 8
 
 
-def _upload_part(client: Any, bucket: str, key: str, upload_id: str, number: int, data: bytes, checksum: str) -> dict:
+def _upload_part(client: Any, bucket: str, key: str, upload_id: str, number: int, data: bytes | bytearray, checksum: str) -> dict:
     answer = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data,
                                 ChecksumCRC32=checksum)
     return {"ETag": answer["ETag"], "PartNumber": number, "ChecksumCRC32": checksum}
@@ -47,7 +47,7 @@ class SourceChanged(Exception):
 
 
 def upload_in_parts(
-    client: Any, bucket: str, key: str, parts: Iterable[bytes], decide: Callable[[str | None], bool], *,
+    client: Any, bucket: str, key: str, parts: Iterable[bytes | bytearray], decide: Callable[[str | None], bool], *,
     create_only: bool, expected_crcs: list[str] | None = None,
 ) -> tuple[str | None, int, bool]:
     """Upload ``parts`` as one multipart upload to ``key``, hashing them in the same pass.
@@ -73,7 +73,7 @@ def upload_in_parts(
                 crc = b64_crc32(data)
                 if hasher is not None:
                     hasher.update(data)
-                elif count > len(expected_crcs) or crc != expected_crcs[count - 1]:
+                elif expected_crcs is not None and (count > len(expected_crcs) or crc != expected_crcs[count - 1]):
                     raise SourceChanged(f"part {count} differs from the first read")
                 size += len(data)
                 pending.append(pool.submit(_upload_part, client, bucket, key, upload_id, count, data, crc))

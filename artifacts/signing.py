@@ -216,8 +216,10 @@ def dsse_verify(envelope: Any, keys: dict[str, bytes]) -> tuple[bytes, str]:
     for sig in signatures:
         for fp, pem in keys.items():
             key = serialization.load_pem_public_key(pem)
+            if not isinstance(key, ec.EllipticCurvePublicKey):  # Kiln signs with ECDSA P-256 only
+                continue
             try:
-                key.verify(base64.b64decode(sig["sig"]), message, ec.ECDSA(hashes.SHA256()))  # type: ignore[union-attr]
+                key.verify(base64.b64decode(sig["sig"]), message, ec.ECDSA(hashes.SHA256()))
             except (InvalidSignature, KeyError, TypeError, ValueError):
                 continue
             return payload, fp

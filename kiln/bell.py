@@ -117,7 +117,7 @@ class Bell:
 
     # -- SQLite ---------------------------------------------------------------------------------------------
     def _sqlite_mark(self) -> tuple:
-        mark = []
+        mark: list[tuple[int, int] | None] = []
         for f in self._files:
             try:
                 st = os.stat(f)

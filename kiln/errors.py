@@ -28,7 +28,7 @@ class KilnError(Exception):
         return f"{text} ({self.fix})" if self.fix else text
 
     def to_dict(self) -> dict:
-        body = {"code": self.code, "message": self.message}
+        body: dict[str, object] = {"code": self.code, "message": self.message}
         if self.field:
             body["field"] = self.field
         if self.fix:

@@ -16,6 +16,8 @@ quantization emulated from the exported ``input_scale`` values. No family has a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +73,7 @@ def _quantize_inputs(model: nn.Module, ckpt: ExportedCheckpoint) -> dict:
     scales: dict[str, float | None] = (dict(ckpt.input_scales) if fmt.activations == "static"
                                        else dict.fromkeys(ckpt.quantized))
     modules = dict(model.named_modules())
-    hooked, experts, missing = 0, {}, []
+    hooked, experts, missing = 0, dict[str, float | None](), list[str]()
     for name, scale in scales.items():
         target = modules.get(name)
         if isinstance(target, nn.Linear):
@@ -137,7 +139,7 @@ def load_engine_model(directory: Path, *, dtype: torch.dtype = torch.float32, fo
     hf_logging.set_verbosity_error()  # the loading report is checked below, not printed
     hf_logging.disable_progress_bar()
     try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # a class, typed loosely by transformers
         model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype,
                                                   output_loading_info=True, **extra)
     except Exception as exc:

@@ -142,7 +142,7 @@ class BuildSpec(BaseModel):
         }
 
 
-def _bad(field: str, message: str, fix: str) -> dict:
+def _bad(field: str, message: str, fix: str | None) -> dict:
     return {"field": field, "message": message, "fix": fix}
 
 
@@ -294,7 +294,8 @@ def _task_rules(d: dict[str, Any], roots: list[Path]) -> list[dict]:
 def _range_rules(d: dict[str, Any], prof: dict) -> list[dict]:
     """Every integer within its LIMITS; the profile consistent with itself; tensor parallelism a power of two."""
     errs: list[dict] = []
-    ints = {f"profile.{k}": prof.get(k) for k in ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")}
+    ints: dict[str, int] = {f"profile.{k}": prof[k] for k in ("max_batch_size", "max_input_len", "max_seq_len",
+                                                               "max_num_tokens")}
     ints |= {"tp_size": d["tp_size"], "calibration.samples": d["calibration"].samples,
              "calibration.seq_len": d["calibration"].seq_len, "evaluation.seq_len": d["evaluation"].seq_len,
              "evaluation.max_tokens": d["evaluation"].max_tokens}

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import select, update
+from typing import cast
+
+from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
 from kiln.errors import InvalidTransition
@@ -103,9 +105,10 @@ def move_build_if_unchanged(session: Session, build: Build, to: str, **fields) -
     values = {**_entry_fields(to), **fields, "status": to}
     if to == "running":
         values["attempts"] = (build.attempts or 0) + 1
-    done = session.execute(update(Build).where(Build.id == build.id, Build.status == build.status,
-                                               Build.attempts == build.attempts).values(**values)
-                           .execution_options(synchronize_session=False)).rowcount
+    result = session.execute(update(Build).where(Build.id == build.id, Build.status == build.status,
+                                                 Build.attempts == build.attempts).values(**values)
+                             .execution_options(synchronize_session=False))
+    done = cast(CursorResult, result).rowcount  # an UPDATE's result is a cursor result: it has a row count
     if done:
         session.add(_status_event(build.id, to, fields))
     session.expire(build)  # the row changed under the ORM object (here or elsewhere): read it afresh
@@ -182,13 +185,13 @@ def name_engine(session: Session, artifact: Artifact, repository: str, *, reason
         session.execute(update(EngineName).where(EngineName.repository == repository,
                                                  EngineName.digest == artifact.digest)
                         .values(reason=EngineName.reason))
-    artifact = session.get(Artifact, artifact.digest, with_for_update=True, populate_existing=True)
-    if artifact is None or artifact.status != "fresh":
+    locked = session.get(Artifact, artifact.digest, with_for_update=True, populate_existing=True)
+    if locked is None or locked.status != "fresh":
         return False
     model = session.get(TrackedModel, repository, with_for_update=True, populate_existing=True)
-    if model is not None and model.head_sha is not None and model.head_sha != artifact.checkpoint_revision:
+    if model is not None and model.head_sha is not None and model.head_sha != locked.checkpoint_revision:
         return False
-    point_tag(session, repository, artifact.tag, artifact, reason=reason)
+    point_tag(session, repository, locked.tag, locked, reason=reason)
     return True
 
 

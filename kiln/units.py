@@ -19,7 +19,9 @@ Rounding is half away from zero on the float's exact value, which is what JavaSc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from decimal import ROUND_HALF_UP, Context, Decimal, localcontext
+from typing import Any
 
 NONE = "—"
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -78,7 +80,7 @@ def _trim(text: str) -> str:
 def _group(text: str) -> str:
     sign, text = ("-", text[1:]) if text.startswith("-") else ("", text)
     whole, dot, frac = text.partition(".")
-    groups = []
+    groups: list[str] = []
     while len(whole) > 3:
         groups.insert(0, whole[-3:])
         whole = whole[:-3]
@@ -157,7 +159,7 @@ def rate(x, unit: str = "tokens/s") -> str:
     return (count(x) if abs(x) >= 100 else significant(x)) + " " + unit
 
 
-KINDS = {"bytes": bytes_iec, "percent": percent, "fraction": fraction, "number": number, "points": points,
+KINDS: dict[str, Callable[[Any], str]] = {"bytes": bytes_iec, "percent": percent, "fraction": fraction, "number": number, "points": points,
          "tokens/s": rate, "seconds": duration, "count": count}
 
 

@@ -1,4 +1,4 @@
-"""The layers and the lint rules, as the tools check them: import-linter's contracts in pyproject.toml
+"""The layers, the lint rules and the types, as the tools check them (mypy on kiln/ and artifacts/): import-linter's contracts in pyproject.toml
 (``api → workers → builder → artifacts | validation → kiln``; nothing imports the migrations; nothing shipped
 imports the tests; the runners do not import the measurements), and ruff. Each contract is shown to break on a planted violation, in a copy of the tree, so a
 contract that checks nothing fails here."""
@@ -112,3 +112,20 @@ def test_the_command_modules_do_not_import_the_cli_module_that_registers_them():
     back = {m.name for m in modules if "api.cli" in imports_of(m.read_text())}
     assert not back, f"{sorted(back)} import api.cli: take main, _context, _find_artifact from api.cli_base"
     assert "api.cli" in imports_of("def f():\n    from api.cli import main\n")  # the check sees a planted one
+
+
+def test_mypy_finds_nothing_in_kiln_and_artifacts():
+    proc = subprocess.run([_tool("mypy"), "--config-file", str(REPO / "pyproject.toml"), "--no-incremental"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Success: no issues found" in proc.stdout
+
+
+def test_mypy_finds_a_planted_type_error(tmp_path):
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    (tmp_path / "kiln").mkdir()
+    (tmp_path / "kiln" / "__init__.py").write_text("")
+    (tmp_path / "kiln" / "planted.py").write_text("def f(x: int) -> str:\n    return x\n")
+    proc = subprocess.run([_tool("mypy"), "--config-file", str(tmp_path / "pyproject.toml"), "--no-incremental",
+                           "kiln"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "return-value" in proc.stdout, proc.stdout
