@@ -16,6 +16,7 @@ from api.progress import Progress
 from kiln import units
 from kiln.backends import DEFAULT_BACKEND
 from kiln.errors import KilnError, SpecError
+from kiln.targets import GPU_ARCHS
 
 PROFILE_FIELDS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
 
@@ -150,7 +151,7 @@ def _print_recipe(recipe: dict) -> None:
 @click.option("--max-input-len", type=int)
 @click.option("--max-seq-len", type=int)
 @click.option("--max-num-tokens", type=int)
-@click.option("--target", default="cpu", show_default=True, help="cpu, sm89|sm90|sm100|sm120, or a GPU name (h100)")
+@click.option("--target", default="cpu", show_default=True, help=f"cpu, {'|'.join(GPU_ARCHS)}, or a GPU name (h100)")
 @click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="aot-inductor | checkpoint | trtllm-engine")
 @click.option("--tp", default=1, show_default=True, type=int, help="tensor-parallel size")
 @click.option("--model-name", help="repository name of the engine (default: from the checkpoint)")

@@ -8,6 +8,7 @@ import json
 import click
 
 from api.cli_base import _context, main
+from kiln.targets import GPU_ARCHS
 
 
 def _resolve_local(query: dict) -> dict:
@@ -26,7 +27,7 @@ def _resolve_local(query: dict) -> dict:
 @main.command()
 @click.argument("model")
 @click.option("--precision", required=True, help="fp8 | nvfp4")
-@click.option("--target", required=True, help="cpu, sm89|sm90|sm100|sm120, or a GPU name (h100)")
+@click.option("--target", required=True, help=f"cpu, {'|'.join(GPU_ARCHS)}, or a GPU name (h100)")
 @click.option("--profile", default="latency", show_default=True, help="the batch profile's name")
 @click.option("--backend", help="aot-inductor | checkpoint | trtllm-engine (default: the one kiln build uses, "
                                 "aot-inductor)")
@@ -39,7 +40,7 @@ def resolve(model: str, precision: str, target: str, profile: str, backend: str 
     """Print the digest of the one fresh, validated engine of MODEL for this precision, target, profile, backend
     (and runtime). Exits 2 when none is servable (not built yet, only stale engines, none for the runtime)."""
     from kiln.backends import default_backend
-    from kiln.spec import normalize_target
+    from kiln.targets import normalize_target
 
     canonical, _ = normalize_target(target)  # an unknown target is refused by resolve itself, by field name
     query = {"model": model, "precision": precision, "profile": profile, "target": target,

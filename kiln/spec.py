@@ -18,17 +18,9 @@ from kiln.families import family_of
 from kiln.precisions import PRECISIONS
 from kiln.recipes import AUTO, RECIPES, ladder, recipes_for, resolved_recipe
 from kiln.refs import FIX as HF_FIX, hf_ref_problem
+from kiln.targets import GPU_ARCHS, normalize_target
 
 KV_CACHES = ("none", "fp8")
-GPU_ARCHS = {"sm89": 89, "sm90": 90, "sm100": 100, "sm120": 120}
-GPU_NAMES = {
-    "l4": "sm89", "l40": "sm89", "l40s": "sm89", "rtx4090": "sm89", "rtx6000ada": "sm89",
-    "h100": "sm90", "h200": "sm90", "gh200": "sm90", "h20": "sm90", "h800": "sm90",
-    "b100": "sm100", "b200": "sm100", "gb200": "sm100",
-    "rtx5090": "sm120", "rtxpro6000": "sm120",
-}
-# GPUs users ask for that no Kiln precision supports (FP8 needs sm89+), so the error can say why.
-OLD_GPUS = {"a100": 80, "a10": 86, "a10g": 86, "a30": 80, "a40": 86, "rtx3090": 86, "t4": 75, "v100": 70}
 GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "max_task_accuracy_drop_pts", "min_throughput_tps",
               "max_peak_memory_bytes", "max_throughput_drop_pct", "max_accuracy_regression_pct")
 # Changing the regression gate (the comparison with the previous engine of the same target) needs a recorded reason.
@@ -144,26 +136,6 @@ class BuildSpec(BaseModel):
 
 def _bad(field: str, message: str, fix: str | None) -> dict:
     return {"field": field, "message": message, "fix": fix}
-
-
-def normalize_target(value: str) -> tuple[str | None, dict | None]:
-    """``cpu``, ``sm90`` or a GPU name (``h100``) → canonical target, or an error dict."""
-    v = str(value).strip().lower().replace(" ", "").replace("_", "").replace("nvidia", "")
-    v = v.replace("-", "") if not v.startswith("sm") else v
-    if v == "cpu" or v in GPU_ARCHS:
-        return v, None
-    if v in GPU_NAMES:
-        return GPU_NAMES[v], None
-    digits = v[2:].isascii() and v[2:].isdigit() and len(v) <= 8  # "sm²" is a digit to str.isdigit, not to int()
-    if v.startswith("sm") and digits and int(v[2:]) >= 89:
-        return None, _bad("target", f"{value!r} is not an architecture Kiln builds for",
-                          f"use one of {', '.join(GPU_ARCHS)} (or cpu)")
-    if v in OLD_GPUS or (v.startswith("sm") and digits):
-        sm = OLD_GPUS.get(v) or int(v[2:])
-        return None, _bad("target", f"{value!r} is sm{sm}; FP8 needs sm89+ and NVFP4 engines sm100+",
-                          "use a target of sm89 or newer (sm89, sm90, sm100, sm120) or cpu")
-    return None, _bad("target", f"unknown target {value!r}",
-                      f"use cpu, one of {', '.join(GPU_ARCHS)}, or a GPU name such as {', '.join(list(GPU_NAMES)[:6])}")
 
 
 def local_path(ref: str, *, field: str = "checkpoint") -> Path:
@@ -417,7 +389,7 @@ def _target_rules(d: dict[str, Any]) -> list[dict]:
     cpu_capable = [b.name for b in BACKENDS.values() if not b.gpu_only]
     if backend.gpu_only and target == "cpu":
         errs.append(_bad("target", f"a {backend.name} build needs a GPU target",
-                         f"use --target sm89|sm90|sm100|sm120 (or a GPU name), or --backend {' / '.join(cpu_capable)} for cpu"))
+                         f"use --target {'|'.join(GPU_ARCHS)} (or a GPU name), or --backend {' / '.join(cpu_capable)} for cpu"))
     if sm is not None and sm < precision.min_sm:
         errs.append(_bad("precision", f"{precision.name} needs sm{precision.min_sm}+, target is sm{sm}",
                          "use a newer GPU target"))

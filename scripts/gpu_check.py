@@ -143,7 +143,7 @@ def check_imports() -> dict:
 def kiln_target(major: int, minor: int) -> str | None:
     """The Kiln target for a compute capability: exact (sm89, sm90, sm100, sm120), else the family's base
     architecture for Blackwell variants (sm103 → sm100, sm121 → sm120); None for GPUs Kiln does not build for."""
-    from kiln.spec import GPU_ARCHS
+    from kiln.targets import GPU_ARCHS
 
     exact = f"sm{major}{minor}"
     if exact in GPU_ARCHS:
@@ -372,7 +372,7 @@ def gather(args) -> dict:
 
 
 def trtllm_path(args, check: Check, target: str, work: Path, roots: list[Path], calib_text: str, eval_text: str):
-    from kiln.spec import GPU_ARCHS
+    from kiln.targets import GPU_ARCHS
 
     if args.skip_trtllm:
         check.skip("trtllm", "--skip-trtllm")

@@ -21,6 +21,7 @@ from typing import Callable
 
 from kiln import units
 from kiln.precisions import PRECISIONS
+from kiln.targets import TARGETS
 from validation.accuracy import GATE_METRIC  # the accuracy gates decided on a window interval
 from validation.stats import PASS, Interval, decide
 
@@ -30,15 +31,8 @@ REGRESSION_DEFAULTS: dict[str, float] = {"max_throughput_drop_pct": 20.0, "max_a
 REGRESSION_GATES = tuple(REGRESSION_DEFAULTS)
 MEMORY_GATE = "max_peak_memory_bytes"
 CPU_MEMORY_FRACTION = 0.75
-# Per GPU target: the memory of the smallest common data-centre card of that architecture, in decimal GB as the
-# vendors state it (a little below the GiB the card has, so the budget errs on the safe side). Override per
-# build for other cards (L4: 24e9, H200: 141e9, B300: 288e9).
-GPU_MEMORY_BUDGETS: dict[str, tuple[float, str]] = {
-    "sm89": (48e9, "L40S, 48 GB"),
-    "sm90": (80e9, "H100, 80 GB"),
-    "sm100": (180e9, "B200, 180 GB"),
-    "sm120": (32e9, "RTX 5090, 32 GB"),
-}
+# Per GPU target: its descriptor's card memory (kiln/targets.py)
+GPU_MEMORY_BUDGETS: dict[str, tuple[float, str]] = {t.name: t.memory_budget for t in TARGETS.values()}
 
 
 def effective_gates(precision: str, overrides: dict[str, float]) -> dict[str, float]:

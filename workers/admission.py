@@ -36,12 +36,10 @@ from sqlalchemy.orm import Session
 from builder.attest import SIGNATURE_KEY_ANNOTATION, SIGNED_TYPES
 from kiln.backends import BACKENDS
 from kiln.models import Artifact, Referrer, Tag, TrackedModel
-from kiln.spec import GPU_NAMES, OLD_GPUS
+from kiln.targets import PRODUCT_LABEL, SM_LABEL, sm_of_product
 from kiln.toolchain import node_requirements
 
 ALLOW_STALE = "kiln.dev/allow-stale"
-SM_LABEL = "kiln.dev/sm"
-PRODUCT_LABEL = "nvidia.com/gpu.product"
 WORKLOADS = {"Pod": (), "Deployment": ("spec", "template"), "StatefulSet": ("spec", "template"),
              "DaemonSet": ("spec", "template"), "ReplicaSet": ("spec", "template"), "Job": ("spec", "template"),
              "CronJob": ("spec", "jobTemplate", "spec", "template")}
@@ -136,18 +134,6 @@ def image_refs(spec: dict) -> Iterator[tuple[str, str]]:
         ref = _dig(v, ("image", "reference"))
         if isinstance(ref, str):
             yield f"volumes[{i}] ({_dict(v).get('name', '?')})", ref
-
-
-def sm_of_product(product: str) -> str | None:
-    """``NVIDIA-H100-80GB-HBM3`` → ``sm90`` (GPU feature discovery's product label), None if unknown."""
-    tokens = [t for t in re.split(r"[-_ ]+", product.lower()) if t and t not in ("nvidia", "tesla", "geforce")]
-    for n in range(len(tokens), 0, -1):
-        name = "".join(tokens[:n])
-        if name in GPU_NAMES:
-            return GPU_NAMES[name]
-        if name in OLD_GPUS:
-            return f"sm{OLD_GPUS[name]}"
-    return None
 
 
 def asked_sms(spec: dict) -> tuple[set[str], list[str]]:

@@ -27,7 +27,7 @@ import shutil
 from collections import Counter
 from typing import Callable, Iterable
 
-from kiln.spec import GPU_ARCHS
+from kiln.targets import GPU_ARCHS
 from kiln.toolchain import ABSENT, detect_gpus, toolchain_for
 
 QUEUE_PREFIX = "kiln"

@@ -11,7 +11,8 @@ from sqlalchemy.orm import Session
 
 from kiln.errors import ArtifactUnknown, SpecError, by_code
 from kiln.models import Artifact, Build, EngineName, TrackedModel
-from kiln.spec import BACKENDS, PRECISIONS, normalize_target
+from kiln.spec import BACKENDS, PRECISIONS
+from kiln.targets import normalize_target
 from kiln.toolchain import cpu_incompatibility
 
 

@@ -415,7 +415,8 @@ def test_build_tag_and_resolve_take_one_default_backend_for_every_target(target)
     from api.cli import build
     from builder.publish import tag_for
     from kiln.backends import default_backend
-    from kiln.spec import normalize_target, parse_spec
+    from kiln.spec import parse_spec
+    from kiln.targets import normalize_target
 
     canonical, _ = normalize_target(target)
     spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "precision": "fp8", "target": target}, [])

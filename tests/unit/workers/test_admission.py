@@ -10,8 +10,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from workers.admission import (EngineFacts, asked_sms, parse_reference, registry_host, registry_hosts, review,
-                               sm_of_product)
+from kiln.targets import sm_of_product
+from workers.admission import EngineFacts, asked_sms, parse_reference, registry_host, registry_hosts, review
 
 HOST = "kiln.internal:8000"
 D_FRESH, D_STALE, D_REVOKED, D_REJECTED, D_UNSIGNED, D_OTHER_KEY, D_SM100 = (

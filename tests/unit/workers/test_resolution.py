@@ -398,7 +398,7 @@ def test_resolve_refuses_an_unknown_precision_or_backend_naming_the_field_and_th
 
 
 def test_resolve_refuses_an_unknown_target_with_the_targets_own_words(tmp_path):
-    from kiln.spec import normalize_target
+    from kiln.targets import normalize_target
 
     index = Index(tmp_path)
     _, err = normalize_target("tpu-v9")
