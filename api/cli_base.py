@@ -12,7 +12,7 @@ import click
 import kiln
 
 from api.errors import exit_code
-from api.output import error_line
+from api.output import begin, error_line
 from kiln.errors import KilnError
 
 
@@ -21,6 +21,7 @@ class KilnGroup(click.Group):
 
     def invoke(self, ctx):
         wants_json = "--json" in [*getattr(ctx, "_protected_args", []), *ctx.args]
+        begin()
         try:
             return super().invoke(ctx)
         except KilnError as exc:

@@ -11,6 +11,12 @@ import click
 _printed = {"result": False}
 
 
+def begin() -> None:
+    """A command starts: nothing printed yet (the group calls it, so a second command in one process — tests driving
+    the group in-process — is not taken for one that printed its result)."""
+    _printed["result"] = False
+
+
 def json_line(obj) -> None:
     """Print a command's JSON result (and remember that one was printed)."""
     click.echo(json.dumps(obj, sort_keys=True))

@@ -41,3 +41,16 @@ def test_an_error_under_json_is_the_stdout_json_line_and_the_stderr_line(tmp_pat
 def test_without_json_stdout_stays_empty_on_error(tmp_path):
     proc = kiln(tmp_path, "build", "/nonexistent", "--precision", "fp8")
     assert proc.returncode == 2 and proc.stdout == ""
+
+
+def test_a_result_printed_by_an_earlier_command_in_the_process_does_not_swallow_the_next_error(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from api.cli import main
+    from api.output import json_line
+
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "home"))
+    json_line({"an": "earlier result"})  # as a command run before in this process printed
+    result = CliRunner().invoke(main, ["pull", "ffffffff", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 2
+    assert json.loads(result.stdout.strip().splitlines()[-1])["error"]["code"] == "artifact_unknown"
