@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from kiln.digests import DIGEST_RE
 from kiln.errors import ArtifactUnknown, InvalidDigest
-from kiln.models import Artifact, Tag
+from kiln.models import Artifact, EngineName, Tag
 
 MIN_PREFIX = 8
 _PREFIX = re.compile(r"(?:sha256:)?([0-9a-f]{%d,64})" % MIN_PREFIX)
@@ -49,6 +49,4 @@ def find_engine(session: Session, ref: str, *, field: str = "digest") -> Artifac
 
 
 def _named(session: Session, repository: str, digest: str) -> bool:
-    from kiln.models import EngineName
-
     return session.get(EngineName, (repository, digest)) is not None
