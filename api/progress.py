@@ -7,6 +7,7 @@ the event stream with ``--server``: the same lines either way."""
 from __future__ import annotations
 
 import atexit
+import re
 import sys
 import threading
 import time
@@ -18,6 +19,10 @@ from kiln.units import duration
 
 #: a plain (non-terminal) progress line at most this often per stage
 HEARTBEAT_S = 10.0
+#: a heartbeat line as :meth:`Progress.tick` prints it — ``  validate  evaluation window 37/128  41.0 s`` — with the
+#: stage and the step as groups 1 and 2 (a finished stage's line, ``  compile   ran  23.8 s``, is not one)
+HEARTBEAT_LINE = re.compile(r"^  (resolve|quantize|compile|validate|publish) +(?!ran |cached |skip )(\S.*?)  "
+                            r"(\d[\d.]* (ms|s)|\d+ min \d+ s)$")
 
 
 class Progress:

@@ -22,9 +22,6 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 COMMAND = ["kiln", "build", "examples/tiny-llama", "--precision", "fp8", "--profile", "latency"]
 BEGIN, END = "<!-- readme-sample: begin -->", "<!-- readme-sample: end -->"
-#: a heartbeat line (api/progress.py): "  validate  evaluation window 37/128  41.0 s" — present only on slow runs
-HEARTBEAT = re.compile(r"^  (resolve|quantize|compile|validate|publish) +(?!ran |cached |skip )\S.*  "
-                       r"(\d[\d.]* (ms|s)|\d+ min \d+ s)$")
 _NUMBER = re.compile(r"sha256:[0-9a-f]+…?|[+-]?\d[\d,]*(\.\d+)?(e[+-]?\d+)?")
 
 
@@ -50,7 +47,9 @@ def run() -> list[str]:
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"readme_sample: the build exited {proc.returncode}:\n{proc.stdout[-3000:]}")
-    return [line for line in proc.stdout.splitlines() if not HEARTBEAT.match(line)]
+    from api.progress import HEARTBEAT_LINE  # present only on slow runs: not part of the sample
+
+    return [line for line in proc.stdout.splitlines() if not HEARTBEAT_LINE.match(line)]
 
 
 def write(lines: list[str]) -> None:

@@ -129,3 +129,16 @@ def test_the_ticker_thread_prints_without_events_and_stops_with_the_stage(monkey
     time.sleep(1.2)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("  compile   running  ") and lines[-1].split()[:2] == ["compile", "ran"]
+
+
+def test_heartbeat_line_matches_what_tick_prints_and_not_a_finished_stage(capsys):
+    from api.progress import HEARTBEAT_LINE
+
+    clock = Clock()
+    p = Progress(quiet=False, tty=False, clock=clock, ticker=False)
+    for kind, data in events("validate", 64, 1.0, clock):
+        p(kind, data)
+    lines = capsys.readouterr().err.splitlines()
+    beats = [m.group(1, 2) for line in lines if (m := HEARTBEAT_LINE.match(line))]
+    assert beats and all(stage == "validate" and step.startswith("evaluation window ") for stage, step in beats)
+    assert len(beats) == len(lines) - 1 and not HEARTBEAT_LINE.match(lines[-1])  # the stage line is not a beat
