@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shlex
 import stat
-import subprocess
 import sys
 from pathlib import Path
 from xml.etree import ElementTree as ET
@@ -16,12 +15,12 @@ from xml.etree import ElementTree as ET
 import pytest
 import yaml
 
+from tests.ci_steps import ENTRY, run_github_build_step
 from tests.conftest import REPO
 from scripts.devstack import served as embedded
 
 pytestmark = pytest.mark.slow
 
-WORKFLOW = REPO / "examples" / "ci" / "github" / "kiln-build.yml"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,6 @@ def served(tmp_path_factory):
 
 
 def test_github_build_step_against_a_real_server_then_resolve_and_pull(served, tmp_path):
-    step = next(s for s in yaml.safe_load(WORKFLOW.read_text())["jobs"]["build"]["steps"] if s.get("id") == "build")
     shim = tmp_path / "bin" / "kiln"
     shim.parent.mkdir()
     # the real CLI of this checkout; calibration and evaluation kept small (the template passes the rest)
@@ -39,26 +37,15 @@ def test_github_build_step_against_a_real_server_then_resolve_and_pull(served, t
                     "\"$@\" --calib-samples 8 --calib-seq-len 64 --eval-max-tokens 1024"
                     " --override-reason 'a test build: a short evaluation'\n")
     shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
-    work, out, summary = tmp_path / "work", tmp_path / "output", tmp_path / "summary"
-    work.mkdir()
-    env = {**served.env, "PATH": f"{shim.parent}:{Path(sys.executable).parent}:/usr/bin:/bin",
-           "GITHUB_OUTPUT": str(out), "GITHUB_STEP_SUMMARY": str(summary), "KILN_URL": served.url, "KILN_TOKEN": "",
-           "CHECKPOINT": str(REPO / "examples" / "tiny-llama"), "MODEL_NAME": "acme/ci", "PRECISION": "fp8",
-           "TARGET": "cpu", "PROFILE": "latency", "BACKEND": "checkpoint", "KV_CACHE": "none",
-           "ENTRY": "fp8-cpu-latency-checkpoint"}
-    proc = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=1200)
-    assert proc.returncode == 0, proc.stdout + proc.stderr + served.log("serve")[-3000:]
-    outputs = dict(line.split("=", 1) for line in out.read_text().splitlines())
-    digest = outputs["digest"]
-    assert digest.startswith("sha256:") and outputs["exit-code"] == "0"
-    assert digest in summary.read_text() and "validated and published" in summary.read_text()
+    digest, work, summary = run_github_build_step(served, tmp_path, model="acme/ci", env={
+        **served.env, "PATH": f"{shim.parent}:{Path(sys.executable).parent}:/usr/bin:/bin"})
+    assert digest in summary
     reports = work / "kiln-reports"
     root = ET.parse(reports / "junit.xml").getroot()
     props = {p.get("name"): p.get("value") for p in root.iter("property")}
     assert props["digest"] == digest and props["verdict"] == "pass" and root.findall(".//testcase")
     assert digest in (reports / "report.html").read_text()
-    assert json.loads((reports / "digest.json").read_text()) == {"fp8-cpu-latency-checkpoint": digest}
+    assert json.loads((reports / "digest.json").read_text()) == {ENTRY: digest}
 
     resolved = served.kiln("resolve", "acme/ci", "--precision", "fp8", "--target", "cpu", "--profile", "latency",
                            "--backend", "checkpoint", "--server", served.url)

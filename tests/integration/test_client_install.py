@@ -19,6 +19,7 @@ from xml.etree import ElementTree as ET
 import pytest
 import yaml
 
+from tests.ci_steps import ENTRY, run_github_build_step
 from tests.conftest import REPO
 from scripts.devstack import served as embedded
 
@@ -135,23 +136,9 @@ def test_the_templates_shell_steps_with_the_client_install(client, served, tmp_p
     on PATH: the GitHub step's outputs, summary and per-entry digest file; GitLab's per-entry dotenv."""
     path = f"{shim(tmp_path, client)}:{client}:/usr/bin:/bin"
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    workflow = yaml.safe_load((REPO / "examples" / "ci" / "github" / "kiln-build.yml").read_text())
-    step = next(s for s in workflow["jobs"]["build"]["steps"] if s.get("id") == "build")
-    work, out, summary = tmp_path / "gh", tmp_path / "output", tmp_path / "summary"
-    work.mkdir()
-    env = {**base, "PATH": path, "HOME": str(tmp_path), "KILN_HOME": str(tmp_path / "gh-home"),
-           "GITHUB_OUTPUT": str(out), "GITHUB_STEP_SUMMARY": str(summary), "KILN_URL": served.url, "KILN_TOKEN": "",
-           "CHECKPOINT": str(REPO / "examples" / "tiny-llama"), "REVISION": "", "MODEL_NAME": "acme/templates",
-           "PRECISION": "fp8", "TARGET": "cpu", "PROFILE": "latency", "BACKEND": "checkpoint", "KV_CACHE": "none",
-           "ENTRY": "fp8-cpu-latency-checkpoint"}
-    proc = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=1200)
-    assert proc.returncode == 0, proc.stdout + proc.stderr + served.log("serve")[-3000:]
-    outputs = dict(line.split("=", 1) for line in out.read_text().splitlines())
-    digest = outputs["digest"]
-    assert digest.startswith("sha256:") and outputs["exit-code"] == "0"
-    assert "validated and published" in summary.read_text()
-    assert json.loads((work / "kiln-reports" / "digest.json").read_text()) == {"fp8-cpu-latency-checkpoint": digest}
+    digest, work, _ = run_github_build_step(served, tmp_path / "gh", model="acme/templates", env={
+        **base, "PATH": path, "HOME": str(tmp_path), "KILN_HOME": str(tmp_path / "gh-home"), "REVISION": ""})
+    assert json.loads((work / "kiln-reports" / "digest.json").read_text()) == {ENTRY: digest}
     assert (work / "kiln-reports" / "report.html").is_file()
 
     gitlab = yaml.safe_load((REPO / "examples" / "ci" / "gitlab" / "kiln-build.gitlab-ci.yml").read_text())
