@@ -66,7 +66,7 @@ def suite_builds(source: str | None = None) -> dict[tuple[str, str, str], frozen
             for precision, backend in calls:
                 names = {"family": family, "NVFP4_AOT": nvfp4_aot}
                 key = (family, _expression(backend, names), _expression(precision, names))
-                cells.setdefault(key, set()).add(run)  # type: ignore[arg-type]
+                cells.setdefault(key, set()).add(run)
     return {k: frozenset(v) for k, v in cells.items()}
 
 
