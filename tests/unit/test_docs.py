@@ -71,20 +71,36 @@ def test_docs_models_md_suite_table_is_what_the_family_test_builds():
     assert render(text) == text, "docs/models.md is stale: run python scripts/models_doc.py"
 
 
-def test_the_suite_table_follows_the_test_source():
-    """The cells come from what the test builds: a family added to the default NVFP4_AOT of the test turns its
-    aot-inductor NVFP4 cell to every run and its checkpoint NVFP4 cell to none."""
-    from scripts.models_doc import TEST, suite_builds
+SOURCE = """
+import os
+NVFP4_AOT = set(FAMILY_CONFIGS) if os.environ.get("KILN_TEST_ALL_FAMILIES") == "1" else DEFAULT
 
-    source = TEST.read_text()
-    assert 'else {"qwen3_moe"}' in source
-    now, changed = suite_builds(source), suite_builds(source.replace('else {"qwen3_moe"}', 'else {"qwen3_moe", "llama"}'))
+
+def test_family(family):
+    fp8 = builder.build(_spec(ckpt, settings, precision="fp8", backend="checkpoint"))
+    nvfp4 = builder.build(_spec(ckpt, settings, precision="nvfp4",
+                                backend="aot-inductor" if family in NVFP4_AOT else "checkpoint"))
+"""
+
+
+def test_the_suite_table_follows_the_test_source():
+    """The cells are what a test of that form builds: its NVFP4_AOT evaluated in each run, its build calls' precision
+    and backend evaluated per family; a family added to the default set moves its NVFP4 cells."""
+    from scripts.models_doc import suite_builds, table
+
+    now = suite_builds(SOURCE.replace("DEFAULT", '{"qwen3_moe"}'))
+    changed = suite_builds(SOURCE.replace("DEFAULT", '{"qwen3_moe", "llama"}'))
     assert now[("llama", "aot-inductor", "nvfp4")] == {"all"} and now[("llama", "checkpoint", "nvfp4")] == {"default"}
+    assert now[("qwen3_moe", "aot-inductor", "nvfp4")] == {"default", "all"}
+    assert now[("llama", "checkpoint", "fp8")] == {"default", "all"} and ("llama", "aot-inductor", "fp8") not in now
     assert changed[("llama", "aot-inductor", "nvfp4")] == {"default", "all"}
     assert ("llama", "checkpoint", "nvfp4") not in changed
-    assert now[("qwen3_moe", "aot-inductor", "nvfp4")] == {"default", "all"}
+    assert "| Llama 2 / Llama 3.x | llama | — | only with KILN_TEST_ALL_FAMILIES=1 | yes | default run only |" in table(
+        SOURCE.replace("DEFAULT", '{"qwen3_moe"}'))
     with pytest.raises(SystemExit, match="NVFP4_AOT"):
-        suite_builds(source.replace("NVFP4_AOT =", "NVFP4_COMPILED ="))
+        suite_builds(SOURCE.replace("NVFP4_AOT =", "NVFP4_COMPILED ="))
+    with pytest.raises(SystemExit, match="cannot evaluate"):
+        suite_builds(SOURCE.replace("DEFAULT", "SOMETHING_ELSE"))
 
 
 # -- links between the pages ---------------------------------------------------------------------------------------
