@@ -52,16 +52,21 @@ def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None
     from kiln.settings import get_settings
     from workers.celery_app import app
     from workers.reconcile import reclaim_orphans, redis_depth, requeue_lost
-    from workers.liveness import HEARTBEAT_S, heartbeat
+    from workers.liveness import HEARTBEAT_S, heartbeat, record_beat
     from workers.submit import celery_enqueue
 
-    sessions = db.session_factory(get_settings().db_url)
-    beats = 0
+    settings = get_settings()
+    sessions = db.session_factory(settings.db_url)
+    beats, db_at = 0, time.time()  # registered just before this loop started
     while not stop.wait(HEARTBEAT_S):
         beats += 1
         try:
-            with sessions() as s:
-                heartbeat(s, name)
+            try:
+                with sessions() as s:
+                    heartbeat(s, name)
+                db_at = time.time()
+            finally:
+                record_beat(settings.home_dir, name, db_at)  # for `kiln worker-probe`: the loop turned, database or not
             if beats % 2 == 0:
                 for build_id in reclaim_orphans(sessions, celery_enqueue):
                     click.echo(f"kiln worker {name}: re-enqueued {build_id} (its worker stopped)", err=True)
@@ -92,7 +97,7 @@ def worker(queues: str | None, concurrency: int, name: str | None) -> None:
     from kiln import db
     from kiln.settings import get_settings
     from workers.capabilities import detect
-    from workers.liveness import register
+    from workers.liveness import record_beat, register
 
     if concurrency < 1:
         raise SpecError(f"--concurrency must be at least 1, not {concurrency}", field="concurrency",
@@ -112,6 +117,7 @@ def worker(queues: str | None, concurrency: int, name: str | None) -> None:
     os.environ["KILN_WORKER_CONCURRENCY"] = str(concurrency)  # each pool process's share of the cores (workers/tasks.py)
     with db.session_factory(get_settings().db_url)() as s:
         register(s, name, caps)
+    record_beat(get_settings().home_dir, name, time.time())
     stop = threading.Event()
     threading.Thread(target=_heartbeat_loop, args=(name, chosen, stop), daemon=True).start()
     click.echo(f"kiln worker {name}: queues {', '.join(chosen)}", err=True)
@@ -125,6 +131,22 @@ def worker(queues: str | None, concurrency: int, name: str | None) -> None:
                          "-l", "INFO", "-P", "prefork", "--without-gossip", "--without-mingle"])
     finally:
         stop.set()
+
+
+@main.command("worker-probe")
+@click.argument("check", type=click.Choice(["live", "ready"]))
+def worker_probe(check: str) -> None:
+    """Exit 0 if the `kiln worker` of this KILN_HOME is live (its heartbeat loop turned within
+    KILN_WORKER_LIVE_WINDOW_S) or ready (and its heartbeat reached the database within it); else one line and exit
+    1. For a pod's exec probes: it reads a file the worker writes, and asks no server."""
+    from kiln.settings import get_settings
+    from workers.liveness import probe
+
+    why = probe(get_settings().home_dir, check)
+    if why:
+        click.echo(f"kiln worker-probe: {check}: {why}", err=True)
+        sys.exit(1)
+    click.echo(f"kiln worker-probe: {check}: ok")
 
 
 @main.command()

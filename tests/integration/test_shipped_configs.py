@@ -1,6 +1,7 @@
-"""Every shipped configuration starts: docker-compose.yml's Kiln services and every Kubernetes kustomization (the
+"""Every shipped configuration starts: docker-compose.yml's Kiln services, every Kubernetes kustomization (the
 base, the in-cluster-backends overlay, each with and without the admission component, rendered by the unit tests'
-kustomize), run as processes with their commands and environments exactly as shipped.
+kustomize) and the Helm chart (its defaults with the admission webhook, rendered by ``helm template``; skipped
+without helm), run as processes with their commands and environments exactly as shipped.
 
 What is replaced, and only that, is what must point at this machine: the database URL (a fresh PostgreSQL database
 per configuration), the broker URL (a database of the suite's own redis-server), a non-empty S3 endpoint (a moto
@@ -12,8 +13,9 @@ path is the one exercised. Nothing else of the test's own environment leaks in (
 its image's ENV plus its manifest's).
 
 Each configuration: the migrations (``kiln db upgrade``) first, which must exit 0; then the API, whose /readyz must
-answer 200 with every check ok; then each worker, which must be listed live by the API's GET /v1/workers and log
-Celery's "ready"; then ``kiln fsck`` in the API's environment, which must list the S3 store (exit 0). Containers
+answer 200 with every check ok; then each worker, which must be listed live by the API's GET /v1/workers, log
+Celery's "ready" and pass its exec probes where it has them (the chart's ``kiln worker-probe live|ready``); then
+``kiln fsck`` in the API's environment, which must list the S3 store (exit 0). Containers
 whose command and environment come out identical after the replacements (the base's containers in base+admission;
 the three GPU worker Deployments, which differ in node selectors only) are started once. GPU workers are started
 like the CPU worker: without a GPU here they register the queues this machine can serve (checked: no GPU queue)."""
@@ -57,6 +59,7 @@ class Container:
     image: str
     args: list[str]
     env: dict[str, str]
+    probes: list[list[str]] = field(default_factory=list)  # exec probes' commands (the Helm chart's workers)
 
     @property
     def role(self) -> str:
@@ -107,7 +110,19 @@ def k8s_env(objs: list[dict], c: dict) -> dict[str, str]:
 
 
 def kubernetes_containers(shape: str) -> list[Container]:
-    objs = render(*SHAPES[shape])
+    return containers_of(render(*SHAPES[shape]), shape)
+
+
+def helm_containers() -> list[Container]:
+    """deploy/helm/kiln with its defaults and the admission webhook, rendered by ``helm template``."""
+    from tests.unit.deploy.test_helm import HELM, template
+
+    if HELM is None:
+        pytest.skip("helm is not installed (scripts/install-test-tools.sh installs it)")
+    return containers_of(template(sets=("admission.enabled=true",)), "helm")
+
+
+def containers_of(objs: list[dict], shape: str) -> list[Container]:
     out = []
     for d in objs:
         pod = pod_spec(d)
@@ -116,8 +131,10 @@ def kubernetes_containers(shape: str) -> list[Container]:
             if repo in KILN_IMAGES:
                 assert not c.get("command"), f"{d['metadata']['name']}: kiln images are run through their entrypoint"
                 image_env = GPU_IMAGE_ENV if repo == "kiln-worker-gpu" else IMAGE_ENV
+                probes = [c[p]["exec"]["command"] for p in ("startupProbe", "livenessProbe", "readinessProbe")
+                          if "exec" in c.get(p, {})]
                 out.append(Container(f"{shape} {d['kind']}/{d['metadata']['name']}", c["image"], [str(a) for a in c["args"]],
-                                     {**image_env, **k8s_env(objs, c)}))
+                                     {**image_env, **k8s_env(objs, c)}, probes))
     return out
 
 
@@ -125,7 +142,8 @@ def kubernetes_containers(shape: str) -> list[Container]:
 # others come out identical and are started once).
 CONFIGS = {"compose": compose_containers,
            **{f"kubernetes {shape}": (lambda shape=shape: kubernetes_containers(shape) + kubernetes_containers(f"{shape}+admission"))
-              for shape in SHAPES if "+" not in shape}}
+              for shape in SHAPES if "+" not in shape},
+           "helm": helm_containers}
 
 
 # -- this machine's services -----------------------------------------------------------------------------------------
@@ -309,6 +327,11 @@ def test_each_shipped_configuration_starts_and_reaches_ready(config, tmp_path, r
 
                 row = wait_for(listed, w, f"{w.c.where} listed live by GET /v1/workers")
                 wait_for(lambda w=w: re.search(rf"-{w.p.pid}@\S+ ready\.", w.log()), w, f"{w.c.where} Celery ready")
+                for command in w.c.probes:  # as the kubelet runs them, in the container's environment
+                    assert command[0] == "kiln", command
+                    probe = subprocess.run([sys.executable, "-m", "api.cli", *command[1:]], cwd=w.env["KILN_HOME"],
+                                           env=w.env, capture_output=True, text=True, timeout=START_S)
+                    assert probe.returncode == 0, f"{w.c.where}: {' '.join(command)}: {probe.stdout}{probe.stderr}"
                 rows[w.c.gpu] = row
             if True in rows and False in rows:  # no GPU here: the GPU image's worker serves what this machine can
                 assert rows[True]["queues"] == rows[False]["queues"], rows
