@@ -258,3 +258,16 @@ def remote_resolve(server: str, query: dict[str, str]) -> dict:
         raise e.ArtifactUnknown(err.get("message", f"HTTP {resp.status_code}"), field=err.get("field"),
                                 fix=err.get("fix"))
     raise _fail(resp)
+
+
+def fetch_support(server: str) -> dict:
+    """``GET /v1/support`` on a remote Kiln: the support matrix with what ran where in that server's registry (the
+    document ``kiln models --json`` prints)."""
+    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
+        try:
+            resp = client.get("/v1/support")
+        except httpx.HTTPError as exc:
+            raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
+    if resp.status_code != 200:
+        raise _fail(resp)
+    return resp.json()

@@ -28,6 +28,7 @@ from builder.resolve import ResolvedCheckpoint, identify_checkpoint, materialize
 from builder.stagecache import StageCache
 from kiln.datasets import load_text, task_path
 from kiln.errors import BuildCancelled, KilnError
+from kiln.families import family_of
 from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, reference_key, request_key
 from kiln.models import Artifact
 from kiln.progress import reporting
@@ -230,6 +231,7 @@ class Builder:
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "kiln": kiln.__version__,
             "recipe": RECIPE_VERSION, "spec": spec.model_dump(), "build_key": p.build_key,
             "quantize_key": p.quantize_key, "compile_key": p.compile_key, "checkpoint": p.resolved.provenance(),
+            "family": family_of(p.model_config).name,  # what ran where (kiln/verified.py, `kiln models`)
             "toolchain": p.toolchain, "gates": p.gates, "data": p.data,
             "quantization": report["recipe"], "stages": [asdict(s) for s in stages],
             "reference_key": report["conditions"]["accuracy"]["reference_cache"]["key"],

@@ -34,12 +34,14 @@ def refresh_read(r) -> dict:
 
 
 @router.get("/v1/support")
-def support():
-    """The support matrix: family × precision × backend, with the reason for each gap (as `kiln models`)."""
-    from kiln.backends import support_matrix
+def support(session: SessionDep):
+    """The support matrix: family × precision × backend, with the reason for each gap, and what ran where — each
+    row's ``verified``: validated engines in this registry per target (count, latest), what the test suite builds
+    (kiln/verified.py) — and the recipes; the document ``kiln models --json`` prints."""
     from kiln.recipes import recipe_table
+    from kiln.verified import support_report
 
-    return {"support": support_matrix(), "recipes": recipe_table()}
+    return {**support_report(session), "recipes": recipe_table()}
 
 
 @router.put("/v1/models/{model:path}")

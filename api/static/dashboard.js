@@ -388,20 +388,44 @@ function difference(kind, a, b) {
 
 function gateKey(g) { return g.name + (g.task ? " [" + g.task + "]" : ""); }
 
-// Provenance and identity as flat "path → JSON text" pairs: objects by key, lists whole.
+// A JSON value as flat "path → text" pairs: objects by key ("toolchain.torch"), lists of named objects by name
+// ("stages.quantize.seconds"), other lists of objects by index ("spec.tasks[0].path"), lists of plain values
+// whole; a string as itself, anything else as JSON. Every text goes into the page as text, never as HTML.
 function flatten(value, prefix, out) {
-  if (value && typeof value === "object" && !Array.isArray(value)) {
+  const named = Array.isArray(value) && value.length > 0 && value.every((x) => x && typeof x === "object" && !Array.isArray(x))
+    && value.every((x) => typeof x.name === "string") && new Set(value.map((x) => x.name)).size === value.length;
+  if (value && typeof value === "object" && !Array.isArray(value) && Object.keys(value).length) {
     for (const k of Object.keys(value)) flatten(value[k], prefix ? prefix + "." + k : k, out);
+  } else if (named) {
+    for (const x of value) flatten(x, prefix + "." + x.name, out);
+  } else if (Array.isArray(value) && value.length && value.every((x) => x && typeof x === "object")) {
+    value.forEach((x, i) => flatten(x, prefix + "[" + i + "]", out));
   } else if (prefix) {
     out[prefix] = typeof value === "string" ? value : JSON.stringify(value);
   }
   return out;
 }
 
+// The engine's identity (what the artifact row says), compared beside its provenance.
 function identity(a) {
   return { repository: a.repository, tag: a.tag, status: a.status, target: a.target, precision: a.precision,
-    profile: a.profile, backend: a.backend, checkpoint: a.checkpoint, build_key: a.build_key, created_at: a.created_at,
-    provenance: a.provenance };
+    profile: a.profile, backend: a.backend, checkpoint: a.checkpoint, build_key: a.build_key, created_at: a.created_at };
+}
+
+// One section of the diff table: a heading row, then a row per flattened field with A's and B's value; a field
+// whose values differ is marked twice: the row's class "differs" (highlighted) and "≠" before its name.
+function diffRows(section, fa, fb) {
+  const paths = [...new Set([...Object.keys(fa), ...Object.keys(fb)])].sort();
+  const value = (v) => v === undefined ? h("span", { class: "muted" }, "—") : v;
+  const rows = paths.map((p) => {
+    const differs = fa[p] !== fb[p];
+    return h("tr", { "data-field": p, "data-section": section, class: differs ? "differs" : null },
+      h("td", { class: "mark", title: differs ? "A and B differ" : null }, differs ? "≠" : ""),
+      h("td", { class: "mono field" }, p), h("td", { class: "sub mono" }, value(fa[p])),
+      h("td", { class: "sub mono" }, value(fb[p])));
+  });
+  return { paths, differ: paths.filter((p) => fa[p] !== fb[p]),
+    body: h("tbody", { "data-section": section }, h("tr", { class: "section" }, h("th", { colspan: 4 }, section)), rows) };
 }
 
 function engineHead(a, side) {
@@ -441,14 +465,14 @@ async function renderCompare(view, query) {
       return h("tr", { "data-gate": n, class: verdict(x) !== verdict(y) ? "differs" : null },
         h("td", null, U.gateLabel((x || y).name) + ((x || y).task ? " [" + (x || y).task + "]" : "")), gateCells(x), gateCells(y));
     }))) : h("p", { class: "empty" }, "No gates recorded.");
-  const fa = flatten(identity(a), "", {}), fb = flatten(identity(b), "", {});
-  const paths = [...new Set([...Object.keys(fa), ...Object.keys(fb)])].sort();
-  const differ = paths.filter((p) => fa[p] !== fb[p]);
-  const prov = h("table", { id: "compare-provenance" },
-    h("thead", null, h("tr", null, ["field", "A", "B"].map((t) => h("th", null, t)))),
-    h("tbody", null, paths.map((p) => h("tr", { "data-field": p, class: fa[p] !== fb[p] ? "differs" : null },
-      h("td", { class: "mono" }, p), h("td", { class: "sub mono" }, fa[p] === undefined ? "—" : fa[p]),
-      h("td", { class: "sub mono" }, fb[p] === undefined ? "—" : fb[p])))));
+  const engine = diffRows("engine", flatten(identity(a), "", {}), flatten(identity(b), "", {}));
+  const provenance = diffRows("provenance", flatten(a.provenance || {}, "", {}), flatten(b.provenance || {}, "", {}));
+  const differ = engine.differ.length + provenance.differ.length, fields = engine.paths.length + provenance.paths.length;
+  const prov = h("table", { id: "compare-provenance", class: "diff-table" },
+    h("thead", null, h("tr", null, ["", "field", "A", "B"].map((t) => h("th", null, t)))), engine.body, provenance.body);
+  const raw = h("details", { id: "compare-raw" }, h("summary", null, "provenance (raw JSON)"),
+    h("div", { class: "sides" }, [["A", a], ["B", b]].map(([side, x]) => h("div", { class: "side", "data-side": side.toLowerCase() },
+      h("b", null, side), h("pre", { class: "json" }, JSON.stringify(x.provenance || {}, null, 2))))));
   view.replaceChildren(
     h("p", null, h("a", { href: "#/" }, "← all builds and engines"), " · ",
       h("a", { href: trendHref(a.repository) }, "trend of " + a.repository), " · ",
@@ -459,7 +483,7 @@ async function renderCompare(view, query) {
       h("section", { class: "card" }, h("h2", null, "Metrics", h("span", { class: "muted" }, "B − A: points for percentages, relative change otherwise")), metrics),
       h("section", { class: "card" }, h("h2", null, "Gates", h("span", { class: "muted" }, "a row whose verdicts differ is highlighted")), gates)),
     h("section", { class: "card" }, h("h2", null, "Provenance", h("span", { class: "muted", id: "differ-count" },
-      U.count(differ.length) + " of " + U.count(paths.length) + " fields differ (highlighted)")), prov));
+      U.count(differ) + " of " + U.count(fields) + " fields differ (marked ≠)")), prov, raw));
   document.title = "Compare — Kiln";
   return false;
 }

@@ -227,10 +227,81 @@ def test_compare_page_puts_two_engines_side_by_side(served, tmp_path):
     assert gates[1] == units.gate_value(gate["name"], gate["value"]) and gates[3] in ("pass", "fail")
     # the profile differs (latency vs throughput): highlighted; the checkpoint digest does not
     (prov,) = parse(dom).find("table", id="compare-provenance")
-    differs = [r.get("data-field") for r in prov.find("tr", **{"class": "differs"})]
+    differs = [r.get("data-field") for r in prov.find("tr", data_section="engine", **{"class": "differs"})]
     assert "profile" in differs and "checkpoint.digest" not in differs and "tag" in differs
+    # the provenance as a readable diff: one row per flattened field (toolchain.torch, stages.quantize.status),
+    # A's and B's value as text; a row is marked (≠ and highlighted) exactly where the values differ
+    rows = {r.get("data-field"): r for r in prov.find("tr", data_section="provenance")}
+    pa, pb = ma["provenance"], mb["provenance"]
+    for name in pa["toolchain"]:
+        assert cells(rows[f"toolchain.{name}"])[1:] == [f"toolchain.{name}", str(pa["toolchain"][name]),
+                                                        str(pb["toolchain"][name])]
+    assert "stages.quantize.status" in rows and "spec.precision" in rows
+    assert cells(rows["build_key"])[2:] == [pa["build_key"], pb["build_key"]]
+    for field, r in rows.items():
+        mark, _, a_value, b_value = cells(r)
+        assert (mark == "≠") == (r.get("class") == "differs") == (a_value != b_value), (field, cells(r))
+    assert rows["build_key"].get("class") == "differs" and rows["checkpoint.digest"].get("class") is None
+    differing = [f for f, r in rows.items() if r.get("class") == "differs"]
+    assert any(f == "spec.profile" or f.startswith("spec.profile.") for f in differing), differing
+    # the raw JSON stays one click away, closed
+    (raw,) = parse(dom).find("details", id="compare-raw")
+    assert "open" not in raw.attrs and "provenance (raw JSON)" in raw.text() and pa["build_key"] in raw.text()
     png = screenshot(tmp_path / "profile", url, tmp_path / "compare.png", size="1280,1400")
     assert png_size(png) == (1280, 1400) and len(png) > 20_000
+
+
+HOSTILE = '<script>document.title="pwned"</script><img src=x onerror="document.title=1">'
+
+
+def test_compare_page_shows_hostile_provenance_as_text(served, tmp_path):
+    """Provenance is whatever a build's spec and toolchain said: a value with HTML in it is shown as text, in its
+    cell, and becomes no element of the page."""
+    from kiln import db
+    from kiln.models import Artifact
+
+    sessions = db.session_factory(f"sqlite:///{served.home / 'kiln.db'}")
+    digest = "sha256:" + "e" * 64
+    with sessions() as s:
+        src = s.get(Artifact, served.second["digest"])
+        fields = {c.name: getattr(src, c.name) for c in Artifact.__table__.columns}
+        s.add(Artifact(**{**fields, "digest": digest, "build_key": digest, "repository": "hostile/model",
+                          "provenance": {**src.provenance, "toolchain": {**src.provenance["toolchain"], "torch": HOSTILE},
+                                         "<b>note</b>": {"nested": HOSTILE}}}))
+        s.commit()
+    try:
+        dom = dump_dom(tmp_path / "profile", f"{served.url}/#/compare?a={served.build['digest']}&b={digest}")
+        page = parse(dom)
+        rows = {r.get("data-field"): r for r in page.find("tr", data_section="provenance")}
+        assert cells(rows["toolchain.torch"])[0] == "≠" and cells(rows["toolchain.torch"])[3] == HOSTILE
+        assert cells(rows["<b>note</b>.nested"])[2:] == ["—", HOSTILE]  # only B has it
+        assert len(page.find("script")) == 2  # the page's own two scripts, no injected one
+        assert not page.find("img", src="x")
+        assert {b.text() for b in page.find("b")} <= {"A", "B"}  # the side labels only: no <b> made from the key
+        assert "&lt;script&gt;" in dom and "<title>pwned" not in dom
+    finally:
+        with sessions() as s:
+            s.delete(s.get(Artifact, digest))
+            s.commit()
+
+
+def test_support_says_what_ran_where_after_the_real_builds(served):
+    """GET /v1/support and `kiln models --json` over the same index: the row the two real builds above are of
+    (Llama, FP8, checkpoint backend, on cpu) is built, with both engines; a row nothing built is not."""
+    api = served.get("/v1/support").json()
+
+    def row(family, precision, backend):
+        return next(r["verified"] for r in api["support"]
+                    if (r["family"], r["precision"], r["backend"]) == (family, precision, backend))
+
+    built = row("llama", "fp8", "checkpoint")
+    assert built["state"] == "built" and built["engines"] == 2 and list(built["targets"]) == ["cpu"]
+    assert built["targets"]["cpu"]["engines"] == 2 and built["latest"] == built["targets"]["cpu"]["latest"]
+    assert row("llama", "fp8", "aot-inductor")["state"] == "test suite"  # the suite builds it; not in this index
+    assert row("llama", "fp8", "trtllm-engine")["state"] == "never built"
+    r = served.kiln("models", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == api  # the CLI reads the same index and says the same
 
 
 def test_trend_page_charts_the_models_metrics_across_builds(served, tmp_path):

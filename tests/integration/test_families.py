@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from kiln.toolchain import cpu_bf16_native
+from kiln.verified import ALL_FAMILIES_ENV, SUITE_NVFP4_AOT
 from tests.families import FAMILY_CONFIGS, family_checkpoint, shards
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,8 @@ pytestmark = pytest.mark.slow
 #: small enough for two cores, large enough to cross the sliding windows (32) and the llama3 rope's
 #: original_max_position_embeddings (64)
 PROFILE = {"max_batch_size": 1, "max_input_len": 96, "max_seq_len": 128, "max_num_tokens": 128}
-NVFP4_AOT = set(FAMILY_CONFIGS) if os.environ.get("KILN_TEST_ALL_FAMILIES") == "1" else {"qwen3_moe"}
+# the default set is kiln/verified.py's table of what the suite runs (`kiln models` reports it)
+NVFP4_AOT = set(FAMILY_CONFIGS) if os.environ.get(ALL_FAMILIES_ENV) == "1" else set(SUITE_NVFP4_AOT)
 # every window (no sequential stop): the reference perplexity is compared with transformers' over the same windows,
 # and the two FP8 artifacts with each other
 EVALUATION = {"seq_len": 96, "max_tokens": 4096, "sequential": False}

@@ -1,13 +1,15 @@
 """The docs against the code they describe: docs/architecture.md names every module there is and none that is not,
-docs/models.md's table of what the suite builds is what tests/integration/test_families.py builds
-(scripts/models_doc.py), and every link between the Markdown pages reaches a page and a heading that exist."""
+what `kiln models` and docs/models.md say the suite builds (kiln/verified.py's SUITE) is what
+tests/integration/test_families.py builds, and every link between the Markdown pages reaches a page and a heading that exist."""
 
 from __future__ import annotations
 
+import ast
 import re
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -63,44 +65,70 @@ def test_architecture_md_states_the_layer_rule_pyproject_enforces():
     assert "tests/unit/test_layers.py" in text and "[tool.importlinter]" in text
 
 
-# -- docs/models.md: what the suite builds ------------------------------------------------------------------------
-def test_docs_models_md_suite_table_is_what_the_family_test_builds():
-    from scripts.models_doc import DOC, render
-
-    text = DOC.read_text()
-    assert render(text) == text, "docs/models.md is stale: run python scripts/models_doc.py"
+# -- kiln/verified.py's SUITE: what the family test builds ----------------------------------------------------------
+FAMILIES_TEST = REPO / "tests" / "integration" / "test_families.py"
+RUNS = {"default": {}, "all": {"KILN_TEST_ALL_FAMILIES": "1"}}
 
 
-SOURCE = """
-import os
-NVFP4_AOT = set(FAMILY_CONFIGS) if os.environ.get("KILN_TEST_ALL_FAMILIES") == "1" else DEFAULT
+def _evaluate(node: ast.expr, names: dict) -> object:
+    return eval(compile(ast.Expression(node), "test_families.py", "eval"), {"__builtins__": {"set": set}}, names)
 
 
-def test_family(family):
-    fp8 = builder.build(_spec(ckpt, settings, precision="fp8", backend="checkpoint"))
-    nvfp4 = builder.build(_spec(ckpt, settings, precision="nvfp4",
-                                backend="aot-inductor" if family in NVFP4_AOT else "checkpoint"))
-"""
+def suite_builds(source: str) -> dict[tuple[str, str, str], frozenset[str]]:
+    """(family, precision, backend) → the runs (``default``, ``all``) in which a test of test_families.py's form
+    builds it: its ``NVFP4_AOT`` assignment evaluated in each run, the ``precision=`` / ``backend=`` of each
+    ``builder.build(_spec(...))`` call evaluated per family. Read as text: the test's source, not its import."""
+    from kiln.families import FAMILIES
+    from kiln.verified import ALL_FAMILIES_ENV, SUITE_NVFP4_AOT
+
+    tree = ast.parse(source)
+    assigns = [n.value for n in tree.body if isinstance(n, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == "NVFP4_AOT" for t in n.targets)]
+    calls = [(kw["precision"], kw["backend"]) for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "build"
+             and n.args and isinstance(n.args[0], ast.Call) and isinstance(n.args[0].func, ast.Name)
+             and n.args[0].func.id == "_spec"
+             for kw in [{k.arg: k.value for k in n.args[0].keywords}] if {"precision", "backend"} <= kw.keys()]
+    assert len(assigns) == 1 and calls, "test_families.py no longer has one NVFP4_AOT and builder.build(_spec(...)) calls"
+    cells: dict[tuple[str, str, str], set[str]] = {}
+    for run, environ in RUNS.items():
+        nvfp4_aot = _evaluate(assigns[0], {"os": SimpleNamespace(environ=environ), "FAMILY_CONFIGS": dict(FAMILIES),
+                                           "ALL_FAMILIES_ENV": ALL_FAMILIES_ENV, "SUITE_NVFP4_AOT": SUITE_NVFP4_AOT})
+        for family in FAMILIES:
+            for precision, backend in calls:
+                names = {"family": family, "NVFP4_AOT": nvfp4_aot}
+                cells.setdefault((family, _evaluate(precision, names), _evaluate(backend, names)), set()).add(run)
+    return {k: frozenset(v) for k, v in cells.items()}
 
 
-def test_the_suite_table_follows_the_test_source():
-    """The cells are what a test of that form builds: its NVFP4_AOT evaluated in each run, its build calls' precision
-    and backend evaluated per family; a family added to the default set moves its NVFP4 cells."""
-    from scripts.models_doc import suite_builds, table
+def suite_disagreements(builds: dict[tuple[str, str, str], frozenset[str]]) -> list[str]:
+    """Where kiln/verified.py's SUITE (what `kiln models` and docs/models.md say the suite runs) and the family
+    test's builds differ."""
+    from kiln.verified import FAMILIES_TEST as NAME, SUITE
 
-    now = suite_builds(SOURCE.replace("DEFAULT", '{"qwen3_moe"}'))
-    changed = suite_builds(SOURCE.replace("DEFAULT", '{"qwen3_moe", "llama"}'))
-    assert now[("llama", "aot-inductor", "nvfp4")] == {"all"} and now[("llama", "checkpoint", "nvfp4")] == {"default"}
-    assert now[("qwen3_moe", "aot-inductor", "nvfp4")] == {"default", "all"}
-    assert now[("llama", "checkpoint", "fp8")] == {"default", "all"} and ("llama", "aot-inductor", "fp8") not in now
-    assert changed[("llama", "aot-inductor", "nvfp4")] == {"default", "all"}
-    assert ("llama", "checkpoint", "nvfp4") not in changed
-    assert "| Llama 2 / Llama 3.x | llama | — | only with KILN_TEST_ALL_FAMILIES=1 | yes | default run only |" in table(
-        SOURCE.replace("DEFAULT", '{"qwen3_moe"}'))
-    with pytest.raises(SystemExit, match="NVFP4_AOT"):
-        suite_builds(SOURCE.replace("NVFP4_AOT =", "NVFP4_COMPILED ="))
-    with pytest.raises(SystemExit, match="cannot evaluate"):
-        suite_builds(SOURCE.replace("DEFAULT", "SOMETHING_ELSE"))
+    # per row, whether SUITE says the family test builds it in a plain run (its name alone) or only in the
+    # KILN_TEST_ALL_FAMILIES=1 run (its name "with …")
+    said = {key: NAME in row["tests"] for key, row in SUITE.items() if any(t.startswith(NAME) for t in row["tests"])}
+    done = {key: "default" in runs for key, runs in builds.items()}
+    return ([f"{k}: SUITE says default={said[k]}, the test builds it in {sorted(builds[k])}"
+             for k in said.keys() & done.keys() if said[k] != done[k]]
+            + [f"{k}: the test builds it, SUITE does not say so" for k in done.keys() - said.keys()]
+            + [f"{k}: SUITE says the test builds it; it does not" for k in said.keys() - done.keys()])
+
+
+def test_what_kiln_models_says_the_suite_runs_is_what_the_family_test_builds():
+    assert suite_disagreements(suite_builds(FAMILIES_TEST.read_text())) == []
+
+
+def test_a_family_test_building_something_else_disagrees_with_suite():
+    """The check above is not vacuous: a test that compiles Llama's NVFP4 with AOTInductor by default, or builds FP8
+    on one backend only, disagrees with SUITE."""
+    source = FAMILIES_TEST.read_text()
+    moved = source.replace("set(SUITE_NVFP4_AOT)", 'set(SUITE_NVFP4_AOT) | {"llama"}')
+    assert moved != source and any("llama" in d for d in suite_disagreements(suite_builds(moved)))
+    one = suite_builds(source)
+    one = {k: v for k, v in one.items() if k[1:] != ("fp8", "checkpoint")}
+    assert any("SUITE says the test builds it" in d for d in suite_disagreements(one))
 
 
 # -- links between the pages ---------------------------------------------------------------------------------------
