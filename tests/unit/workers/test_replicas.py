@@ -210,11 +210,15 @@ def test_resolve_prints_the_copy_in_the_deployers_registry(tmp_path):
     r = client.get("/v1/resolve", params={**query, "registry": MIRROR})
     assert r.status_code == 404 and r.json()["error"]["field"] == "registry"
     assert r.json()["error"]["fix"].startswith(f"run kiln push acme/tiny@{engine.digest} {MIRROR}/acme/tiny ")
-    record(app, engine, f"{MIRROR}/mirror/acme/tiny:fp8")  # KILN_REPLICATE_TO=registry.example.com/mirror
-    record(app, engine, f"{MIRROR}/team/engines")
-    record(app, engine, "other.example/team/engines")
-    for registry, reference in ((MIRROR, f"{MIRROR}/team/engines"), (f"{MIRROR}/mirror", f"{MIRROR}/mirror/acme/tiny"),
+    # in this order: the latest pushed is the answer only where no repository is the path or <path>/<model>
+    for dest in (f"{MIRROR}/mirror/acme/tiny:fp8",  # KILN_REPLICATE_TO=registry.example.com/mirror
+                 f"{MIRROR}/team/engines", f"{MIRROR}/team/engines/tiny", f"{MIRROR}/mirror/copy",
+                 "other.example/team/engines"):
+        record(app, engine, dest)
+    for registry, reference in ((MIRROR, f"{MIRROR}/mirror/copy"),
+                                (f"{MIRROR}/mirror", f"{MIRROR}/mirror/acme/tiny"),
                                 (f"{MIRROR}:443/team/engines/", f"{MIRROR}/team/engines"),
+                                (f"{MIRROR}/team/engines/tiny", f"{MIRROR}/team/engines/tiny"),
                                 (f"{MIRROR}/mirror/acme/tiny", f"{MIRROR}/mirror/acme/tiny"),
                                 ("other.example", "other.example/team/engines")):
         r = client.get("/v1/resolve", params={**query, "registry": registry})
