@@ -215,13 +215,15 @@ def copy_verdict(ref: ImageRef, replicas: Callable[[ImageRef], ReplicaFacts] | N
                  lookup: Callable[[ImageRef], EngineFacts | None], **rules: Any) -> tuple[str | None, str | None]:
     """(denial, warning) for a reference to another registry: (None, None) when it is no copy of a Kiln engine
     (not Kiln's to judge), else judged as the module's doc says."""
-    if ref.host is None:
-        return None, None  # Docker Hub: Kiln pushes only to registries named by host
-    place = next((p for p in places if p.covers(ref.host, ref.repository)), None)
+    host = ref.host or "docker.io"
+    if ref.host is None:  # Docker Hub, as container runtimes read it: docker.io, library/ for one component
+        ref = replace(ref, host=host,
+                      repository=ref.repository if "/" in ref.repository else f"library/{ref.repository}")
+    place = next((p for p in places if p.covers(host, ref.repository)), None)
     facts = replicas(ref) if replicas is not None else ReplicaFacts(False, False, None)
     if place is None and not facts.place and facts.model is None:
         return None, None
-    where = f"{registry_host(ref.host)}/{ref.repository}"
+    where = f"{registry_host(host)}/{ref.repository}"
     if ref.digest is None:
         return (f"{ref.where}: {ref.reference} names a Kiln engine in another registry by tag, which Kiln cannot "
                 f"check (that registry's tag can move); use {where}@sha256:… (kiln resolve … --registry {where} "

@@ -81,6 +81,9 @@ def test_a_kiln_engine_where_kiln_did_not_push_it_is_denied_unless_the_place_is_
         f"containers[1] (engine): {image} is a Kiln engine (acme/tiny) that Kiln did not push to {MIRROR}/team/other; "
         f"run kiln push {D_FRESH} {MIRROR}/team/other, or add the registry to KILN_TRUSTED_REGISTRIES")
     assert decide(f"elsewhere.example:5000/x@{D_FRESH}")["allowed"] is False  # any registry: the digest is Kiln's
+    for hub, where in ((f"team/x@{D_REVOKED}", "revoked"), (f"x@{D_FRESH}", "did not push to docker.io/library/x")):
+        r = decide(hub)  # no host: Docker Hub, where the same bytes are judged the same
+        assert r["allowed"] is False and where in r["status"]["message"], hub
     assert decide(image, places=[Place(MIRROR, "team")])["allowed"] is True
     assert decide(image, places=[Place(MIRROR)])["allowed"] is True
     assert decide(image, places=[Place(MIRROR, "team/other")])["allowed"] is True
