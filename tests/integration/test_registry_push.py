@@ -8,6 +8,7 @@ registry in tests/unit/artifacts/test_push.py."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -233,6 +234,32 @@ def test_replication_pushes_after_a_build_and_records_a_failure_without_raising(
     assert events[1][1]["dest"].endswith(f"/acme/tiny:{tag}")
 
 
+@contextlib.contextmanager
+def kiln_api(home: Path):
+    """``kiln api`` on ``home``'s index, on a free port: its URL while it runs."""
+    port, log = free_port(), home.parent / "kiln-api.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api", "--port", str(port)], cwd=REPO_ROOT,
+                                env={**os.environ, "KILN_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"kiln api exited: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        else:
+            pytest.fail("kiln api did not answer /readyz in 30 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def admission_review(image: str) -> dict:
     """An AdmissionReview of a Pod CREATE whose engine container is ``image``, on an H100 node (the engine's GPU)."""
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "tiny-0", "namespace": "serving"},
@@ -286,6 +313,11 @@ def test_admission_and_resolve_accept_the_pushed_reference(registry, home):
     assert got.status_code == 200 and got.content == store.get_bytes(digest)
     missing = kiln(path, "resolve", *variant, "--registry", f"{host}/never")
     assert missing.returncode == 2 and "has not been pushed to" in missing.stderr and "kiln push" in missing.stderr
+    with kiln_api(path) as server:  # the same answers from a remote Kiln (GET /v1/resolve?…&registry=…)
+        remote = kiln(path, "resolve", *variant, "--registry", dest, "--server", server)
+        assert remote.returncode == 0 and remote.stdout == f"{dest}@{digest}\n", remote.stderr
+        remote = kiln(path, "resolve", *variant, "--registry", f"{host}/never", "--server", server)
+        assert remote.returncode == 2 and "has not been pushed to" in remote.stderr, remote.stderr
 
     # KILN_REPLICATE_TO records the same way: <prefix>/<repository>, found under the prefix
     sessions = db.session_factory(Settings(home=path).db_url)
