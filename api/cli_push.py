@@ -20,14 +20,16 @@ from api.output import json_line
 def push(ref: str, dest: str, insecure: bool, as_json: bool, verbose: bool) -> None:
     """Push engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag) by digest to DEST
     (host[:port]/repository[:tag]) with its referrers. Credentials: KILN_REGISTRY_USERNAME and
-    KILN_REGISTRY_PASSWORD, else the docker config's auths entry for the host, else anonymous."""
+    KILN_REGISTRY_PASSWORD, else the docker config's auths entry for the host, else anonymous. The copy is recorded:
+    the admission webhook then admits DEST's repository@digest as this engine, and `kiln resolve --registry` prints
+    it."""
     from builder.replicate import push_engine
 
     settings, store, sessions = _context()
     row = _find_artifact(sessions, ref)
     step = (lambda text: click.echo(f"kiln: {text}", err=True)) if verbose else None
     result = push_engine(store, sessions, row.digest, dest, insecure=insecure, username=settings.registry_username,
-                         password=settings.registry_password, on_step=step)
+                         password=settings.registry_password, on_step=step, model=_named_repository(ref))
     if row.status != "fresh":
         click.echo(f"kiln: warning: {row.digest} is {row.status}; pushed anyway (pinned by digest)", err=True)
     if as_json:
@@ -37,3 +39,13 @@ def push(ref: str, dest: str, insecure: bool, as_json: bool, verbose: bool) -> N
     where = "" if result.referrers_api or not n else " (listed under the referrers tag schema)"
     click.echo(f"pushed {result.reference} with {n} referrer{'s' if n != 1 else ''}{where}"
                + (f", tagged {result.destination.tag}" if result.destination.tag else ""))
+
+
+def _named_repository(ref: str) -> str | None:
+    """The Kiln repository REF names (``repository@sha256:…``, ``repository:tag``), whose tracked head then judges
+    the copy; None for a bare digest or prefix (the engine's own repository)."""
+    ref = ref.strip()
+    if "@" in ref:
+        return ref.rpartition("@")[0] or None
+    repository, colon, _ = ref.rpartition(":")
+    return repository if colon and repository.lower() != "sha256" else None

@@ -1,6 +1,7 @@
 """Copying a published engine, with its referrers, to a standard registry: ``kiln push`` (api/cli_push.py). The
 engine's index row says which referrers it has (provenance, validation report, signature, signed provenance);
-:mod:`artifacts.push` sends them."""
+:mod:`artifacts.push` sends them. A push that succeeds is recorded (:class:`~kiln.models.Replica`): admission then
+judges ``host/repository@digest`` as this engine, and ``kiln resolve --registry`` prints it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.interfaces import BlobStore
-from artifacts.push import PushResult, Registry, credentials_for, parse_destination, push_image
+from artifacts.push import PushResult, Registry, credentials_for, parse_destination, push_image, registry_host
 from kiln.errors import EngineRevoked, ValidationFailed
-from kiln.models import Artifact, Referrer
+from kiln.models import Artifact, Referrer, Replica, utcnow
 
 
 def referrers_of(session: Session, digest: str) -> list[str]:
@@ -21,12 +22,28 @@ def referrers_of(session: Session, digest: str) -> list[str]:
                                 .order_by(Referrer.created_at, Referrer.digest)))
 
 
+def record_replica(session: Session, result: PushResult, model: str) -> Replica:
+    """Record (or refresh) that ``result``'s engine is at its destination, standing for the Kiln repository
+    ``model``; the caller commits."""
+    dest = result.destination
+    key = (result.digest, registry_host(dest.host), dest.repository)
+    row = session.get(Replica, key)
+    if row is None:
+        row = Replica(digest=key[0], host=key[1], repository=key[2], model=model)
+        session.add(row)
+    row.model, row.tag, row.pushed_at = model, dest.tag or row.tag, utcnow()
+    return row
+
+
 def push_engine(store: BlobStore, sessions: sessionmaker[Session], digest: str, dest: str, *,
                 insecure: bool = False, username: str | None = None, password: str | None = None,
-                registry: Registry | None = None, on_step: Callable[[str], None] | None = None) -> PushResult:
-    """Push the engine ``digest`` and all its referrers to ``dest`` (``host[:port]/repository[:tag]``). A revoked
-    engine (:class:`EngineRevoked`) or a rejected one (:class:`ValidationFailed`) is refused: the target is the
-    registry a cluster pulls from. ``username``/``password``: ``KILN_REGISTRY_USERNAME``/``_PASSWORD``."""
+                registry: Registry | None = None, on_step: Callable[[str], None] | None = None,
+                model: str | None = None) -> PushResult:
+    """Push the engine ``digest`` and all its referrers to ``dest`` (``host[:port]/repository[:tag]``), then record
+    the replica (:func:`record_replica`; ``model``: the Kiln repository it stands for, default the one that
+    published it). A revoked engine (:class:`EngineRevoked`) or a rejected one (:class:`ValidationFailed`) is
+    refused: the target is the registry a cluster pulls from. ``username``/``password``:
+    ``KILN_REGISTRY_USERNAME``/``_PASSWORD``."""
     target = parse_destination(dest)
     with sessions() as session:
         row = session.get(Artifact, digest)
@@ -41,12 +58,17 @@ def push_engine(store: BlobStore, sessions: sessionmaker[Session], digest: str, 
             raise ValidationFailed(f"engine {digest} failed validation ({row.status_reason or 'rejected'}); "
                                    "it is not pushed", field="digest", fix="push a validated engine")
         refs = referrers_of(session, digest)
+        model = model or row.repository
     own = registry is None
     if registry is None:
         creds = credentials_for(target.host, username=username, password=password)
         registry = Registry(target.host, insecure=insecure, credentials=creds)
     try:
-        return push_image(store, registry, target, digest, refs, on_step=on_step)
+        result = push_image(store, registry, target, digest, refs, on_step=on_step)
     finally:
         if own:
             registry.close()
+    with sessions() as session:
+        record_replica(session, result, model)
+        session.commit()
+    return result

@@ -155,6 +155,25 @@ class EngineName(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class Replica(Base):
+    """An engine pushed, with its referrers, to another registry (``kiln push``, ``KILN_REPLICATE_TO``): at
+    ``host/repository@digest`` there are the same bytes. Admission judges such a reference as this engine, and
+    ``kiln resolve --registry`` prints it (workers/replicas.py). ``host`` is spelled as admission compares hosts
+    (lower case, no ``:443``); ``model`` is the Kiln repository the copy stands for (its tracked head decides
+    whether the copy is stale, as for a reference to this registry)."""
+
+    __tablename__ = "replicas"
+    # admission's question: is this host/repository a place Kiln pushes engines to?
+    __table_args__ = (Index("ix_replicas_place", "host", "repository"),)
+
+    digest: Mapped[str] = mapped_column(DIGEST, ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255), primary_key=True)
+    repository: Mapped[str] = mapped_column(String(255), primary_key=True)
+    model: Mapped[str] = mapped_column(String(255))
+    tag: Mapped[str | None] = mapped_column(String(128), nullable=True)  # the tag pushed with it, if any
+    pushed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class TagEvent(Base):
     """Every tag move, for audit and rollback."""
 

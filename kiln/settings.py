@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     # unset: it denies every image (it cannot tell this registry's). Tag references are denied unless allowed here.
     registry_hosts: str | None = None
     admission_allow_tags: bool = False
+    # Admission webhook: places in other registries (host[:port][/path], comma separated) where every image is a Kiln
+    # engine copied there by other means than kiln push / replicate_to (which are recorded and need no entry):
+    # references there are judged by digest as this registry's (workers/replicas.py)
+    trusted_registries: str | None = None
     redirect_blobs: bool = False  # /v2 blob GETs answer 307 to a short-lived presigned S3 URL (S3 stores only)
     # The local stage cache (KILN_HOME/cache) is a bounded cache of the stage outputs kept in the store:
     # least recently used entries are evicted past this many bytes (entries in use by a build never are).

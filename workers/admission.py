@@ -2,8 +2,16 @@
 
 Kubernetes sends an ``admission.k8s.io/v1`` AdmissionReview; :func:`review` answers one, echoing the request's
 ``uid``. Every image reference that names this registry — containers, init containers, ephemeral containers and
-image volumes (``spec.volumes[].image.reference``) — is checked; references to other registries pass untouched.
-Hosts are compared in one spelling (:func:`registry_host`); with no ``KILN_REGISTRY_HOSTS`` every image is denied.
+image volumes (``spec.volumes[].image.reference``) — is checked. Hosts are compared in one spelling
+(:func:`registry_host`); with no ``KILN_REGISTRY_HOSTS`` every image is denied.
+
+A reference to another registry is a *copy* of a Kiln engine (workers/replicas.py) when its digest is a Kiln engine,
+or when it lies where Kiln pushed engines (a recorded ``kiln push`` / ``KILN_REPLICATE_TO`` repository) or in a
+``KILN_TRUSTED_REGISTRIES`` place. A copy is judged by its digest, as Kiln's index knows it (the same digest is the
+same bytes in every registry; the other registry is never read): by tag → always denied (Kiln cannot know where
+another registry's tag points); a digest Kiln never published → denied; otherwise the verdicts below, with the
+staleness of the Kiln repository the copy stands for; and a digest Kiln did not push to that repository, outside
+the trusted places → denied. Any other reference (another registry's images) passes untouched.
 Verdicts, per reference:
 
 - by tag → denied (a tag can move under a running deployment), unless tags are allowed (then resolved once);
@@ -27,17 +35,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import and_, bindparam, select
 from sqlalchemy.orm import Session
 
+from artifacts.push import registry_host
 from builder.attest import SIGNATURE_KEY_ANNOTATION, SIGNED_TYPES
 from kiln.backends import BACKENDS
 from kiln.models import Artifact, Referrer, Tag, TrackedModel
 from kiln.targets import PRODUCT_LABEL, SM_LABEL, sm_of_product
 from kiln.toolchain import node_requirements
+from workers.replicas import Place, ReplicaFacts
 
 ALLOW_STALE = "kiln.dev/allow-stale"
 WORKLOADS = {"Pod": (), "Deployment": ("spec", "template"), "StatefulSet": ("spec", "template"),
@@ -81,17 +91,6 @@ def parse_reference(ref: str) -> tuple[str | None, str, str | None, str | None]:
     if not colon or "/" in tag:
         repo, tag = rest, ""
     return (host.lower() if host else None), repo, (tag or None), (digest or None)
-
-
-def registry_host(host: str) -> str:
-    """One spelling per registry host, as a container runtime reaches it: lower case, no trailing dot on the
-    name, no ``:443`` (HTTPS's default port: ``kiln.example.com:443`` is ``kiln.example.com``)."""
-    host = host.strip().lower()
-    name, colon, port = host.rpartition(":")
-    if not colon or not port.isdigit() or (name.startswith("[") != name.endswith("]")):
-        name, port = host, ""  # no port (an IPv6 address without brackets has colons of its own)
-    name = name.rstrip(".")
-    return name if port in ("", "443") else f"{name}:{port}"
 
 
 def registry_hosts(configured: str | None) -> set[str]:
@@ -212,16 +211,51 @@ def verdict(ref: ImageRef, facts: EngineFacts | None, *, sms: set[str], allow_st
     return None, None
 
 
+def copy_verdict(ref: ImageRef, replicas: Callable[[ImageRef], ReplicaFacts] | None, places: tuple[Place, ...],
+                 lookup: Callable[[ImageRef], EngineFacts | None], **rules: Any) -> tuple[str | None, str | None]:
+    """(denial, warning) for a reference to another registry: (None, None) when it is no copy of a Kiln engine
+    (not Kiln's to judge), else judged as the module's doc says."""
+    host = ref.host or "docker.io"
+    if ref.host is None:  # Docker Hub, as container runtimes read it: docker.io, library/ for one component
+        ref = replace(ref, host=host,
+                      repository=ref.repository if "/" in ref.repository else f"library/{ref.repository}")
+    place = next((p for p in places if p.covers(host, ref.repository)), None)
+    facts = replicas(ref) if replicas is not None else ReplicaFacts(False, False, None)
+    if place is None and not facts.place and facts.model is None:
+        return None, None
+    where = f"{registry_host(host)}/{ref.repository}"
+    if ref.digest is None:
+        return (f"{ref.where}: {ref.reference} names a Kiln engine in another registry by tag, which Kiln cannot "
+                f"check (that registry's tag can move); use {where}@sha256:… (kiln resolve … --registry {where} "
+                "prints it)"), None
+    if not DIGEST_RE.match(ref.digest):
+        return f"{ref.where}: {ref.reference} has a malformed digest", None
+    if facts.model is None:
+        return (f"{ref.where}: {ref.reference}: no Kiln engine has this digest ({where} is "
+                f"{'a place Kiln pushes engines to' if facts.place else f'trusted for Kiln engines ({place})'}; "
+                "only digests Kiln published are admitted)"), None
+    as_engine = replace(ref, repository=facts.model, tag=None)  # judged as the Kiln repository it stands for
+    denial, warning = verdict(as_engine, lookup(as_engine), **rules)
+    if denial is None and not facts.recorded and place is None:
+        return (f"{ref.where}: {ref.reference} is a Kiln engine ({facts.model}) that Kiln did not push to {where}; "
+                f"run kiln push {ref.digest} {where}, or add the registry to KILN_TRUSTED_REGISTRIES"), None
+    return denial, warning
+
+
 def _why(reason: str | None) -> str:
     return f": {reason}" if reason else ""
 
 
 def review(body: Any, *, hosts: set[str], allow_tags: bool, trusted: set[str],
-           lookup: Callable[[ImageRef], EngineFacts | None]) -> dict[str, Any]:
+           lookup: Callable[[ImageRef], EngineFacts | None],
+           replicas: Callable[[ImageRef], ReplicaFacts] | None = None,
+           trusted_registries: tuple[Place, ...] = ()) -> dict[str, Any]:
     """The AdmissionReview answering ``body``. ``hosts``: this registry's host names (:func:`registry_hosts`);
     a reference whose host is one of them in another spelling is judged the same; with none, every image is
-    denied. ``lookup`` reads one reference's facts (by digest, or by tag when tags are allowed).
-    ``ValueError`` when ``body`` is not an AdmissionReview request."""
+    denied. ``lookup`` reads one reference's facts (by digest, or by tag when tags are allowed; its
+    ``repository`` is the Kiln repository whose head judges staleness). ``replicas`` reads what Kiln knows of a
+    reference to another registry (None: nothing, no copy is recorded); ``trusted_registries``:
+    ``KILN_TRUSTED_REGISTRIES``. ``ValueError`` when ``body`` is not an AdmissionReview request."""
     if not isinstance(body, dict) or body.get("kind") != "AdmissionReview" or not isinstance(body.get("request"), dict):
         raise ValueError("not an AdmissionReview with a request")
     request = body["request"]
@@ -242,9 +276,13 @@ def review(body: Any, *, hosts: set[str], allow_tags: bool, trusted: set[str],
                 denials.append(f"{where}: {reference} cannot be checked: KILN_REGISTRY_HOSTS is not set on the "
                                "Kiln API, so the webhook does not know this registry's host names")
                 continue
-            if host is None or registry_host(host) not in hosts:
-                continue  # another registry: not ours to judge
             ref = ImageRef(where, reference, host, repository, tag, digest)
+            if host is None or registry_host(host) not in hosts:
+                denial, warning = copy_verdict(ref, replicas, trusted_registries, lookup, sms=sms,
+                                               allow_stale=allow_stale, trusted=trusted, spec=spec)
+                denials += [denial] if denial else []
+                warnings += [warning] if warning else []
+                continue
             if digest is None and not allow_tags:
                 denials.append(f"{where}: {reference} names an engine by tag; use {host}/{repository}@sha256:… "
                                "(a tag can move under a running deployment)")

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from api.routes.keys import trusted_fingerprints
 from kiln.errors import SpecError
 from workers.admission import engine_facts, registry_hosts, review
+from workers.replicas import replica_facts, trusted_registries
 
 router = APIRouter(tags=["admission"])
 
@@ -21,11 +22,13 @@ async def validate(request: Request, body: Any = Body(None)):
     # never the Host this request came in by: whoever calls the webhook would name the registry
     hosts, trusted = registry_hosts(request.app.state.settings.registry_hosts), trusted_fingerprints(request.app)
     allow_tags = request.app.state.settings.admission_allow_tags
+    places = trusted_registries(request.app.state.settings.trusted_registries)
 
     def decide() -> dict:
         with request.app.state.read_sessions() as session:
             return review(body, hosts=hosts, allow_tags=allow_tags, trusted=trusted,
-                          lookup=lambda ref: engine_facts(session, ref))
+                          lookup=lambda ref: engine_facts(session, ref), trusted_registries=places,
+                          replicas=lambda ref: replica_facts(session, ref.host or "", ref.repository, ref.digest))
 
     try:
         return await run_in_threadpool(decide)

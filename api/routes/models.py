@@ -97,26 +97,32 @@ async def huggingface_webhook(request: Request, settings: SettingsDep, sessions:
 @router.get("/v1/resolve")
 async def resolve(request: Request, model: str = Query(..., max_length=255), precision: str = Query(..., max_length=16),
                   profile: str = Query(..., max_length=64), target: str = Query(..., max_length=32),
-                  backend: str = Query(..., max_length=32), runtime: str | None = Query(None, max_length=255)):
-    """Exactly one servable engine for (model, precision, profile, target, backend[, runtime]), or why not."""
+                  backend: str = Query(..., max_length=32), runtime: str | None = Query(None, max_length=255),
+                  registry: str | None = Query(None, max_length=512)):
+    """Exactly one servable engine for (model, precision, profile, target, backend[, runtime]), or why not; with
+    ``registry`` (``host[:port][/path]``), also its copy Kiln pushed there (``replica``), or why there is none."""
     # The hottest read of the service: one hop to a thread for the whole lookup (a session dependency would
     # cost two more), on an autocommit connection (one statement, no BEGIN/ROLLBACK round trips).
-    r = await run_in_threadpool(_resolve, request.app, model=model, precision=precision,
-                                profile=profile, target=target, backend=backend, runtime=runtime)
+    r, replica = await run_in_threadpool(_resolve, request.app, registry, model=model, precision=precision,
+                                         profile=profile, target=target, backend=backend, runtime=runtime)
     if r.artifact is None:
         raise r.error()
     a = r.artifact
-    return JSONResponse({"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status,
-                         "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance,
-                         "signature": r.signature})
+    body = {"digest": a.digest, "repository": a.repository, "tag": a.tag, "status": a.status,
+            "reference": f"{a.repository}@{a.digest}", "provenance": a.provenance, "signature": r.signature}
+    return JSONResponse({**body, "replica": replica} if registry is not None else body)
 
 
-def _resolve(app, **query) -> Resolution:
+def _resolve(app, registry: str | None, **query) -> tuple[Resolution, str | None]:
     from api.routes.keys import trusted_fingerprints
     from workers.admission import signature_summary
+    from workers.replicas import replica_reference
 
     with app.state.read_engine.connect() as conn:
         r = resolve_engine(conn, **query)
+        replica = None
         if r.artifact is not None:  # whether and by which key the answer is signed (an indexed read)
             r.signature = signature_summary(conn, r.artifact.digest, trusted_fingerprints(app))
-        return r
+            if registry is not None:
+                replica = replica_reference(conn, r.artifact.digest, query["model"], registry)
+        return r, replica

@@ -8,6 +8,7 @@ registry in tests/unit/artifacts/test_push.py."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -231,3 +232,100 @@ def test_replication_pushes_after_a_build_and_records_a_failure_without_raising(
                                                       .order_by(BuildEvent.id))]
     assert [k for k, _ in events] == ["replicated", "replication_failed"]
     assert events[1][1]["dest"].endswith(f"/acme/tiny:{tag}")
+
+
+@contextlib.contextmanager
+def kiln_api(home: Path):
+    """``kiln api`` on ``home``'s index, on a free port: its URL while it runs."""
+    port, log = free_port(), home.parent / "kiln-api.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api", "--port", str(port)], cwd=REPO_ROOT,
+                                env={**os.environ, "KILN_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None:
+                pytest.fail(f"kiln api exited: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        else:
+            pytest.fail("kiln api did not answer /readyz in 30 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def admission_review(image: str) -> dict:
+    """An AdmissionReview of a Pod CREATE whose engine container is ``image``, on an H100 node (the engine's GPU)."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "tiny-0", "namespace": "serving"},
+           "spec": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                    "containers": [{"name": "server", "image": "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3"},
+                                   {"name": "engine", "image": image}]}}
+    return {"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
+            "request": {"uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "Pod"}, "operation": "CREATE",
+                        "namespace": "serving", "object": pod}}
+
+
+@needs_registry
+def test_admission_and_resolve_accept_the_pushed_reference(registry, home):
+    """After `kiln push` (and KILN_REPLICATE_TO), the webhook admits the engine by its digest in the registry it
+    was pushed to, and refuses there a digest Kiln never published, a tag, and the engine in a repository Kiln did
+    not push it to; `kiln resolve --registry` prints the pushed reference, which the registry serves."""
+    from kiln.models import Build
+    from workers.replication import replicate
+
+    path, digest, store, _ = home
+    host = registry.removeprefix("http://")
+    dest = f"{host}/deploy/tiny"
+    assert kiln(path, "push", digest, f"{dest}:fp8").returncode == 0
+    webhook = TestClient(create_app(Settings(home=path, registry_hosts="kiln.internal:8000"),
+                                    enqueue=lambda *a: None))
+
+    def admit(image: str) -> dict:
+        r = webhook.post("/v1/admission/validate", json=admission_review(image))
+        assert r.status_code == 200, r.text
+        return r.json()["response"]
+
+    assert admit(f"{dest}@{digest}") == {"uid": "u-1", "allowed": True}
+    unknown = "sha256:" + hashlib.sha256(b"not an engine").hexdigest()
+    r = admit(f"{dest}@{unknown}")
+    assert r["allowed"] is False and f"{dest}@{unknown}: no Kiln engine has this digest" in r["status"]["message"]
+    r = admit(f"{dest}:fp8")
+    assert r["allowed"] is False and f"{dest}:fp8 names a Kiln engine in another registry by tag" in \
+        r["status"]["message"] and f"use {dest}@sha256:…" in r["status"]["message"]
+    r = admit(f"{host}/elsewhere/tiny@{digest}")  # the same bytes, in a repository Kiln did not push to
+    assert r["allowed"] is False and f"run kiln push {digest} {host}/elsewhere/tiny" in r["status"]["message"]
+
+    # resolve prints the reference a pod spec names, and the registry serves the engine there
+    variant = ["acme/tiny", "--precision", "fp8", "--target", "h100", "--profile", "balanced", "--backend",
+               "checkpoint"]
+    printed = kiln(path, "resolve", *variant, "--registry", dest)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == f"{dest}@{digest}\n"
+    repo, _, ref = printed.stdout.strip().partition("/")[2].partition("@")
+    got = httpx.get(f"{registry}/v2/{repo}/manifests/{ref}",
+                    headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    assert got.status_code == 200 and got.content == store.get_bytes(digest)
+    missing = kiln(path, "resolve", *variant, "--registry", f"{host}/never")
+    assert missing.returncode == 2 and "has not been pushed to" in missing.stderr and "kiln push" in missing.stderr
+    with kiln_api(path) as server:  # the same answers from a remote Kiln (GET /v1/resolve?…&registry=…)
+        remote = kiln(path, "resolve", *variant, "--registry", dest, "--server", server)
+        assert remote.returncode == 0 and remote.stdout == f"{dest}@{digest}\n", remote.stderr
+        remote = kiln(path, "resolve", *variant, "--registry", f"{host}/never", "--server", server)
+        assert remote.returncode == 2 and "has not been pushed to" in remote.stderr, remote.stderr
+
+    # KILN_REPLICATE_TO records the same way: <prefix>/<repository>, found under the prefix
+    sessions = db.session_factory(Settings(home=path).db_url)
+    with sessions() as s:
+        s.add(Build(id="b-resolve-replica", request_key=digest, spec={}, queue="q", status="running"))
+        s.commit()
+    done = replicate(Settings(home=path, replicate_to=f"{host}/replicas"), store, sessions, "b-resolve-replica", digest)
+    assert done["reference"] == f"{host}/replicas/acme/tiny@{digest}"
+    printed = kiln(path, "resolve", *variant, "--registry", f"{host}/replicas")
+    assert printed.returncode == 0 and printed.stdout == f"{host}/replicas/acme/tiny@{digest}\n", printed.stderr
+    assert admit(done["reference"])["allowed"] is True
