@@ -234,7 +234,7 @@ def tracked_parts(ref: object) -> tuple[str, str]:
         source = source_of(ref) if isinstance(ref, str) else None
     except SpecError:
         source = None
-    if source is not TRACKED:
+    if source is not TRACKED or not isinstance(ref, str):
         raise SpecError(f"a tracked model follows {TRACKED.follows}", field=FIELD,
                         fix=f"give {TRACKED.format('org/name', 'branch')}")
     repo, branch = TRACKED.parse(ref)
