@@ -52,16 +52,22 @@ COPY_PART_SIZE = 512 * MiB
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 
 
-def make_s3_client(endpoint_url: str | None = None, *, max_attempts: int = 4) -> Any:
-    """The client a store makes unless given one: botocore standard-mode retries, path-style
-    addressing for custom endpoints (MinIO, moto), credentials and region from the environment.
+def s3_client_config(endpoint_url: str | None = None, *, max_attempts: int = 4) -> Config:
+    """How Kiln talks to S3 (the engine store and ``s3://`` checkpoints alike): botocore standard-mode retries,
+    path-style addressing for custom endpoints (MinIO, moto).
 
     Bodies are not SHA-256-signed (``UNSIGNED-PAYLOAD``), which botocore otherwise does on plain-HTTP
     endpoints (a MinIO in the same network): every write carries a checksum header that S3 verifies and
     the signature covers, and every read is checked against its digest, so hashing each body once more
     for the signature would only cost a second SHA-256 pass over every engine uploaded."""
     s3 = {"payload_signing_enabled": False, **({"addressing_style": "path"} if endpoint_url else {})}
-    config = Config(retries={"mode": "standard", "max_attempts": max_attempts}, s3=s3)
+    return Config(retries={"mode": "standard", "max_attempts": max_attempts}, s3=s3)
+
+
+def make_s3_client(endpoint_url: str | None = None, *, max_attempts: int = 4) -> Any:
+    """The client a store makes unless given one (:func:`s3_client_config`), in a session of its own;
+    credentials and region from the environment."""
+    config = s3_client_config(endpoint_url, max_attempts=max_attempts)
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
 
 

@@ -24,7 +24,7 @@ from builder import quantize as quantize_stage
 from builder.backends import get_backend
 from builder.leases import BlobLeases, LeasedStore
 from builder.publish import name_in_repository, publish, tag_for
-from builder.resolve import ResolvedCheckpoint, identify_checkpoint, materialize_checkpoint
+from builder.resolve import ResolvedCheckpoint, checkpoint_args, identify_checkpoint, materialize_checkpoint
 from builder.stagecache import StageCache
 from kiln.datasets import load_text, task_path
 from kiln.errors import BuildCancelled, KilnError
@@ -301,9 +301,7 @@ class Builder:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _checkpoint_args(self) -> dict:
-        s = self.settings
-        return {"cache_root": s.cache_dir / "resolve", "s3_endpoint_url": s.s3_endpoint_url, "buckets": s.buckets,
-                "max_bytes": s.checkpoint_max_bytes}
+        return checkpoint_args(self.settings)  # what each checkpoint source reads from the settings
 
     def _stage(self, name: str, fn: Callable[[], tuple], stages: list[StageRecord]):
         self.on_event("stage", {"name": name, "state": "started"})

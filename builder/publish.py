@@ -18,6 +18,7 @@ from builder.attest import sign_engine
 from kiln.backends import default_backend
 from kiln.errors import ArtifactUnknown
 from kiln.models import Artifact, Referrer, TrackedModel
+from kiln.sources import source_link
 from kiln.spec import BuildSpec
 from kiln.states import add_artifact, initial_artifact_status, move_artifact, name_engine
 from validation.report import REPORT_TYPE, report_document, to_json
@@ -33,10 +34,8 @@ def tag_for(spec: BuildSpec) -> str:
 
 
 def _source_url(ref: str) -> str:
-    """Where the checkpoint came from, as a URL a registry UI can link (hf:// → the Hub page)."""
-    if ref.startswith("hf://"):
-        return "https://huggingface.co/" + ref[5:].split("@", 1)[0]
-    return ref if "://" in ref else f"file://{ref}"
+    """Where the checkpoint came from, as a URL a registry UI can link (its source's rule, kiln/sources.py)."""
+    return source_link(ref)
 
 
 def runtime_for(spec: BuildSpec, toolchain: dict) -> str:

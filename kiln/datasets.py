@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kiln.digests import sha256_bytes
 from kiln.errors import SpecError
+from kiln.sources import local_path
 
 DATA_DIR = Path(__file__).parent / "data"
 BUILTIN = {"kiln:calibration": "calibration.txt", "kiln:heldout": "heldout.txt"}
@@ -24,8 +25,6 @@ def load_text(name: str, *, field: str, roots: list[Path]) -> tuple[str, str]:
     elif name.startswith("kiln:"):
         raise SpecError(f"unknown built-in dataset {name!r}", field=field, fix=f"use one of: {', '.join(BUILTIN)}")
     else:
-        from kiln.spec import local_path
-
         path = local_path(name, field=field)
         if not any(path == r or path.is_relative_to(r) for r in roots):
             raise SpecError(f"{name!r} is outside the allowed roots", field=field,  # as given: no server paths
@@ -70,8 +69,6 @@ TASK_SUFFIXES = (".yaml", ".yml", ".jsonl")
 def task_path(name: str, *, roots: list[Path], field: str = "evaluation.tasks") -> Path:
     """An evaluation task file (docs/tasks.md) as an absolute path under the checkpoint roots; SpecError naming
     ``field`` when it is outside them, missing, or of another kind. Its content is checked by validation/tasks.py."""
-    from kiln.spec import local_path
-
     path = local_path(name, field=field)
     if not any(path == r or path.is_relative_to(r) for r in roots):
         raise SpecError(f"{name!r} is outside the allowed roots", field=field,

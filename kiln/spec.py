@@ -7,7 +7,6 @@ import math
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -17,7 +16,7 @@ from kiln.errors import SpecError
 from kiln.families import family_of
 from kiln.precisions import PRECISIONS
 from kiln.recipes import AUTO, RECIPES, ladder, recipes_for, resolved_recipe
-from kiln.refs import FIX as HF_FIX, hf_ref_problem
+from kiln.sources import check_ref, default_model_name
 from kiln.targets import GPU_ARCHS, normalize_target
 
 KV_CACHES = ("none", "fp8")
@@ -138,63 +137,13 @@ def _bad(field: str, message: str, fix: str | None) -> dict:
     return {"field": field, "message": message, "fix": fix}
 
 
-def local_path(ref: str, *, field: str = "checkpoint") -> Path:
-    """A local checkpoint reference (a path or file://) as an absolute path. ``~`` is expanded where a home
-    directory is known and left as a literal folder name where it is not (services often run without $HOME).
-    A NUL character, which no file name can hold, is a :class:`SpecError` naming ``field``."""
-    if "\x00" in ref:
-        raise SpecError(f"{ref!r} contains a NUL character, which no path can hold", field=field,
-                        fix="give the path without it")
-    path = Path(urlparse(ref).path if ref.startswith("file://") else ref)
-    try:
-        path = path.expanduser()
-    except RuntimeError:
-        pass
-    return path.resolve()
-
-
 def check_checkpoint_ref(ref: str, roots: list[Path], *, resolved: dict | None = None) -> dict | None:
-    """Shape of the reference, and local paths only under the configured roots (no traversal). ``resolved``:
-    where given, the local path as resolved here is left in it under ``"path"`` (one resolution per spec)."""
-    if not isinstance(ref, str) or not ref.strip():
-        return _bad("checkpoint", "is empty", "give hf://org/name@revision, s3://bucket/prefix or a directory")
-    if any(ord(c) < 32 or c == "\x7f" for c in ref):
-        return _bad("checkpoint", f"{ref!r} contains a control character",
-                    "give hf://org/name@revision, s3://bucket/prefix or a directory, without control characters")
-    if ref.startswith("hf://"):
-        problem = hf_ref_problem(ref)
-        return _bad("checkpoint", f"{ref!r} {problem}", HF_FIX) if problem else None
-    if ref.startswith("s3://"):
-        if not urlparse(ref).netloc:
-            return _bad("checkpoint", f"{ref!r} names no bucket", "write s3://bucket/prefix")
-        return None
-    if "://" in ref and not ref.startswith("file://"):
-        return _bad("checkpoint", f"unsupported scheme in {ref!r}", "use hf://, s3://, file:// or a directory path")
-    path = local_path(ref)
+    """The checkpoint source's rules (kiln/sources.py). ``resolved``: where given, the reference's canonical form
+    (a local path resolved, once per spec) is left in it under ``"checkpoint"``."""
+    problem, canonical = check_ref(ref, roots)
     if resolved is not None:
-        resolved["path"] = path
-    if not any(path == root or path.is_relative_to(root) for root in roots):
-        # the reference as given: its resolved form would show the server's working directory or $HOME
-        return _bad("checkpoint", f"{ref!r} is outside the allowed checkpoint roots",
-                    "move it under a root or add its parent to KILN_CHECKPOINT_ROOTS")
-    if not path.exists():
-        return _bad("checkpoint", f"{ref!r} does not exist", "give the path of a checkpoint directory")
-    if not (path / "config.json").is_file():
-        return _bad("checkpoint", f"{ref!r} is not a checkpoint directory (no config.json)",
-                    "give a Hugging Face format directory holding config.json and *.safetensors")
-    return None
-
-
-def default_model_name(ref: str, *, path: Path | None = None) -> str:
-    """The repository name a spec without ``model_name`` gets; ``path``: a local ref's path, already resolved."""
-    if ref.startswith("hf://"):
-        base = ref[5:].split("@", 1)[0]
-    elif ref.startswith("s3://"):
-        base = urlparse(ref).path.strip("/").split("/")[-1] or urlparse(ref).netloc
-    else:
-        base = (path or Path(urlparse(ref).path if ref.startswith("file://") else ref).resolve()).name
-    name = re.sub(r"[^a-z0-9./_-]+", "-", base.lower()).strip("-._/")
-    return re.sub(r"[-._]{2,}", "-", name) or "model"
+        resolved["checkpoint"] = canonical
+    return _bad("checkpoint", *problem) if problem else None
 
 
 def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
@@ -461,14 +410,12 @@ def parse_spec(data: dict[str, Any], roots: list[Path]) -> BuildSpec:
     d["calibration"], d["evaluation"], d["profile"] = raw.calibration, raw.evaluation, raw.profile
     if isinstance(d["profile"], BatchProfile):
         d["profile"] = d["profile"].model_dump()
-    resolved: dict = {}  # a local checkpoint's path, resolved once (the service parses a spec per request)
+    resolved: dict = {}  # the canonical checkpoint, a local path resolved once (the service parses a spec per request)
     errs = _rules(d, roots, resolved)
     if errs:
         raise SpecError(errs[0]["message"], field=errs[0]["field"], fix=errs[0]["fix"], details=errs)
     if isinstance(d["profile"], dict):
         d["profile"] = BatchProfile(**d["profile"])
-    path = resolved.get("path")
-    d["model_name"] = d.get("model_name") or default_model_name(d["checkpoint"], path=path)
-    if path is not None:  # a local path means the same folder to every process
-        d["checkpoint"] = str(path)
+    d["checkpoint"] = resolved.get("checkpoint", d["checkpoint"])  # a local path: the same folder to every process
+    d["model_name"] = d.get("model_name") or default_model_name(d["checkpoint"])
     return BuildSpec.model_validate(d)

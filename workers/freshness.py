@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from builder.resolve import identify_checkpoint
+from builder.resolve import latest_revision
 from kiln.errors import SpecError
-from kiln.refs import parse_hf_ref
 from kiln.models import Artifact, ModelEvent, Tag, TrackedModel, utcnow
 from kiln.settings import Settings
+from kiln.sources import TRACKED, tracked_parts
 from kiln.spec import MODEL_NAME_RE, parse_spec
 from kiln.states import move_artifact, remove_tag
 from workers.submit import Enqueue, Submitted, check_strictness, submit
@@ -35,10 +35,8 @@ class Refresh:
 
 
 def parse_tracked_checkpoint(ref: str) -> tuple[str, str]:
-    if not isinstance(ref, str) or not ref.startswith("hf://"):
-        raise SpecError("a tracked model follows a Hugging Face branch", field="checkpoint",
-                        fix="give hf://org/name@branch")
-    return parse_hf_ref(ref)
+    """``(repository, branch)`` of the reference a tracked model follows (kiln/sources.py TRACKED)."""
+    return tracked_parts(ref)
 
 
 def check_model_name(name: str) -> None:
@@ -48,8 +46,7 @@ def check_model_name(name: str) -> None:
 
 
 def head_of(settings: Settings, repo: str, branch: str) -> str:
-    resolved, _ = identify_checkpoint(f"hf://{repo}@{branch}", cache_root=settings.cache_dir / "resolve")
-    return resolved.revision
+    return latest_revision(TRACKED.format(repo, branch), cache_root=settings.cache_dir / "resolve")
 
 
 def mark_stale(session: Session, model: TrackedModel) -> int:
@@ -74,7 +71,7 @@ def build_matrix(settings: Settings, sessions: sessionmaker[Session], model: Tra
     out = []
     for entry in model.matrix:
         spec = parse_spec({**entry, "gates": {**model.gates, **entry.get("gates", {})}, "model_name": model.name,
-                           "checkpoint": f"hf://{model.hf_repo}@{model.head_sha}"}, settings.roots)
+                           "checkpoint": TRACKED.format(model.hf_repo, model.head_sha)}, settings.roots)
         out.append(submit(settings, sessions, spec, enqueue))
     return out
 
@@ -103,7 +100,7 @@ def register_model(settings: Settings, sessions: sessionmaker[Session], name: st
         if not isinstance(entry.get("gates", {}), dict):
             raise SpecError("gates must be an object", field=f"matrix.{i}.gates", fix='e.g. {"max_ppl_increase_pct": 2.0}')
         try:  # the same rules a build applies, checked now (a placeholder sha: only the shape matters here)
-            specs.append(parse_spec({**entry, "model_name": name, "checkpoint": f"hf://{repo}@{'0' * 40}",
+            specs.append(parse_spec({**entry, "model_name": name, "checkpoint": TRACKED.format(repo, "0" * 40),
                                      "gates": {**gates, **entry.get("gates", {})}}, settings.roots))
         except SpecError as exc:
             raise SpecError(exc.message, field=f"matrix.{i}.{exc.field}", fix=exc.fix) from None
