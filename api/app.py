@@ -55,7 +55,7 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
     # The hot reads (resolve, identical build requests) run on autocommit connections: no BEGIN / ROLLBACK.
     app.state.read_engine = db.get_engine(settings.db_url, autocommit=True)
     app.state.read_sessions = sessionmaker(app.state.read_engine, expire_on_commit=False)
-    app.state.store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
+    app.state.store = open_store(settings.store, settings)
     app.state.enqueue = enqueue or celery_enqueue
     app.state.broker_check = _broker_check(settings.broker)
     for r in (health.router, builds.router, artifacts.router, workers.router, models.router, oci.router,

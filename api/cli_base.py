@@ -82,7 +82,7 @@ def _context():
     settings = get_settings()
     if settings.db_url.startswith("sqlite"):
         db.upgrade(settings.db_url)
-    store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
+    store = open_store(settings.store, settings)
     return settings, store, db.session_factory(settings.db_url)
 
 

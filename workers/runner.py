@@ -125,7 +125,7 @@ def run_build(build_id: str, settings: Settings, worker_name: str, *, last_try: 
         with sessions() as s2:
             return bool(s2.get(Build, build_id).cancel_requested)
 
-    store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
+    store = open_store(settings.store, settings)
     builder = Builder(settings, store, sessions, on_event=EventRecorder(sessions, build_id), should_cancel=cancelled)
     try:
         outcome = builder.build(parse_spec(spec_data, settings.roots))
