@@ -127,3 +127,29 @@ def test_no_module_but_the_enqueue_home_sends_a_task():
     """``.delay(`` / ``.apply_async(`` / ``.send_task(`` only in workers/enqueue.py, which sends after commit."""
     assert (REPO / HOME).is_file() and SENDS.search((REPO / HOME).read_text())
     assert sends_outside_the_home(REPO) == [], "send through workers.enqueue.send_after_commit"
+
+
+def test_the_reconciler_sends_through_the_hook_and_a_refused_send_is_raised_after_its_reason_is_kept(tmp_path):
+    from kiln.settings import Settings
+    from kiln.states import move_build_if_unchanged
+    from tests.unit.workers.test_build_states import CPU, REPO as ROOT, Broker, add_worker, spec_of
+    from workers.reconcile import reclaim_orphans
+    from workers.submit import submit
+
+    settings = Settings(home=tmp_path / "home", checkpoint_roots=f"{ROOT}:{tmp_path}")
+    db.upgrade(settings.db_url)
+    sessions = db.session_factory(settings.db_url)
+    broker = Broker(sessions)
+    made = submit(settings, sessions, spec_of(settings, CPU), broker).build
+    add_worker(sessions, "gone", [made.queue], live=False)
+    with sessions() as s:
+        move_build_if_unchanged(s, s.get(Build, made.id), "running", worker="gone")
+        s.commit()
+    broker.down = True
+    with pytest.raises(ConnectionError):  # the worker's heartbeat loop prints it, as before
+        reclaim_orphans(sessions, broker)
+    with sessions() as s:
+        row = s.get(Build, made.id)
+        assert row.status == "queued" and row.reason.startswith("not yet handed to the broker (ConnectionError")
+    broker.down = False
+    assert reclaim_orphans(sessions, broker) == []  # queued now: the lost message is requeue_lost's to resend
