@@ -9,14 +9,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-from sqlalchemy.orm import sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kiln
 from api.bodies import SafeJSONResponse
 from api.errors import database_unavailable, error_response, framework_error
 from api.routes import admission, artifacts, builds, dashboard, health, keys, metrics, models, oci, workers
-from kiln.bell import Bell
 from kiln import errors as e
 from kiln.settings import Settings, get_settings
 
@@ -37,9 +35,7 @@ def _broker_check(url: str):
 
 
 def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
-    from artifacts.factory import open_store
-    from kiln import db
-    from workers.submit import celery_enqueue
+    from workers.services import build_services
 
     from api import auth
 
@@ -49,14 +45,14 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
                   dependencies=[Depends(auth.route_scope)],
                   docs_url="/docs" if settings.api_docs else None, redoc_url="/redoc" if settings.api_docs else None,
                   description="CI for inference engines: build, validate and serve engines by digest.")
-    app.state.settings = settings
-    app.state.sessions = db.session_factory(settings.db_url)
-    app.state.bell = Bell(settings.db_url)  # wakes event-stream readers on commit (kiln/bell.py)
+    services = build_services(settings, enqueue=enqueue)  # workers/services.py: as the CLI and worker build them
+    app.state.settings, app.state.services = settings, services
+    app.state.sessions = services.sessions
+    app.state.bell = services.bell  # wakes event-stream readers on commit (kiln/bell.py)
     # The hot reads (resolve, identical build requests) run on autocommit connections: no BEGIN / ROLLBACK.
-    app.state.read_engine = db.get_engine(settings.db_url, autocommit=True)
-    app.state.read_sessions = sessionmaker(app.state.read_engine, expire_on_commit=False)
-    app.state.store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
-    app.state.enqueue = enqueue or celery_enqueue
+    app.state.read_engine, app.state.read_sessions = services.read_engine, services.read_sessions
+    app.state.store = services.store
+    app.state.enqueue = services.enqueue  # the broker's side; routes send through workers/enqueue.py
     app.state.broker_check = _broker_check(settings.broker)
     for r in (health.router, builds.router, artifacts.router, workers.router, models.router, oci.router,
               dashboard.router, metrics.router, keys.router, admission.router):

@@ -74,16 +74,12 @@ def main() -> None:
 
 
 def _context():
-    """Settings, store and database for local work (embedded defaults: SQLite + a directory under KILN_HOME)."""
-    from artifacts.factory import open_store
-    from kiln import db
-    from kiln.settings import get_settings
+    """Settings, store and database for local work (embedded defaults: SQLite + a directory under KILN_HOME),
+    built as the API and the worker build them (workers/services.py)."""
+    from workers.services import build_services
 
-    settings = get_settings()
-    if settings.db_url.startswith("sqlite"):
-        db.upgrade(settings.db_url)
-    store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
-    return settings, store, db.session_factory(settings.db_url)
+    services = build_services(upgrade_embedded=True)
+    return services.settings, services.store, services.sessions
 
 
 def _find_artifact(sessions, ref: str):

@@ -48,15 +48,13 @@ def api(host: str, port: int, workers: int, ssl_certfile: str | None, ssl_keyfil
 
 def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None:
     """Heartbeats, and the reconciler every few beats (see workers/reconcile.py)."""
-    from kiln import db
-    from kiln.settings import get_settings
     from workers.celery_app import app
     from workers.reconcile import reclaim_orphans, redis_depth, requeue_lost
     from workers.liveness import HEARTBEAT_S, heartbeat, record_beat
-    from workers.submit import celery_enqueue
+    from workers.services import build_services
 
-    settings = get_settings()
-    sessions = db.session_factory(settings.db_url)
+    services = build_services()
+    settings, sessions = services.settings, services.sessions
     beats, db_at = 0, time.time()  # registered just before this loop started
     while not stop.wait(HEARTBEAT_S):
         beats += 1
@@ -68,9 +66,9 @@ def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None
             finally:
                 record_beat(settings.home_dir, name, db_at)  # for `kiln worker-probe`: the loop turned, database or not
             if beats % 2 == 0:
-                for build_id in reclaim_orphans(sessions, celery_enqueue):
+                for build_id in reclaim_orphans(sessions, services.enqueue):
                     click.echo(f"kiln worker {name}: re-enqueued {build_id} (its worker stopped)", err=True)
-                for build_id in requeue_lost(sessions, queues, celery_enqueue, redis_depth(app)):
+                for build_id in requeue_lost(sessions, queues, services.enqueue, redis_depth(app)):
                     click.echo(f"kiln worker {name}: re-enqueued {build_id} (its message was lost)", err=True)
         except Exception as exc:  # the database or broker may be briefly away; the next beat retries
             click.echo(f"kiln worker: heartbeat/reconcile failed: {exc}", err=True)
@@ -79,13 +77,11 @@ def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None
 def requeue_waiting(queues: list[str]) -> int:
     """At start: re-enqueue every queued build of these queues (their messages may be lost, e.g. the broker was
     emptied). Duplicate messages are harmless: a build is claimed atomically by exactly one worker."""
-    from kiln import db
-    from kiln.settings import get_settings
     from workers.reconcile import requeue_lost
-    from workers.submit import celery_enqueue
+    from workers.services import build_services
 
-    sessions = db.session_factory(get_settings().db_url)
-    return len(requeue_lost(sessions, queues, celery_enqueue, lambda queue: 0, min_age_s=0))
+    services = build_services()
+    return len(requeue_lost(services.sessions, queues, services.enqueue, lambda queue: 0, min_age_s=0))
 
 
 @main.command()
@@ -94,10 +90,9 @@ def requeue_waiting(queues: list[str]) -> int:
 @click.option("--name", help="worker name (default: host-pid)")
 def worker(queues: str | None, concurrency: int, name: str | None) -> None:
     """Run a Celery build worker on the queues this machine can serve."""
-    from kiln import db
-    from kiln.settings import get_settings
     from workers.capabilities import detect
     from workers.liveness import record_beat, register
+    from workers.services import build_services
 
     if concurrency < 1:
         raise SpecError(f"--concurrency must be at least 1, not {concurrency}", field="concurrency",
@@ -111,13 +106,13 @@ def worker(queues: str | None, concurrency: int, name: str | None) -> None:
             raise SpecError(f"this machine cannot build for {', '.join(unknown)}", field="queues",
                             fix=f"choose from: {', '.join(caps['queues'])}")
         caps = {**caps, "queues": chosen, "toolchains": {q: caps["toolchains"][q] for q in chosen}}
-    _upgrade_embedded_db()
+    services = build_services(upgrade_embedded=True)
     name = name or f"{socket.gethostname()}-{os.getpid()}"
     os.environ["KILN_WORKER_NAME"] = name
     os.environ["KILN_WORKER_CONCURRENCY"] = str(concurrency)  # each pool process's share of the cores (workers/tasks.py)
-    with db.session_factory(get_settings().db_url)() as s:
+    with services.sessions() as s:
         register(s, name, caps)
-    record_beat(get_settings().home_dir, name, time.time())
+    record_beat(services.settings.home_dir, name, time.time())
     stop = threading.Event()
     threading.Thread(target=_heartbeat_loop, args=(name, chosen, stop), daemon=True).start()
     click.echo(f"kiln worker {name}: queues {', '.join(chosen)}", err=True)

@@ -1,35 +1,64 @@
-"""Open a blob store from its URL: the one place configuration picks a backend."""
+"""Open a blob store from its URL: the one place configuration picks a backend.
+
+:data:`STORES` maps a URL scheme to the class that serves it; each class parses its own URL and reads its own
+settings (``from_url``, see :meth:`artifacts.interfaces.BlobStore.from_url`). A new store is one class and one row
+here; the conformance suite (``tests/unit/artifacts``) runs over every row."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from dataclasses import dataclass
+from importlib import import_module
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from artifacts.interfaces import BlobStore
-from artifacts.local import LocalBlobStore
 from kiln.errors import SpecError
 
-_FIX = "use file:///absolute/path, a plain directory path, or s3://bucket/prefix"
+if TYPE_CHECKING:
+    from kiln.settings import Settings
 
 
-def open_store(url: str, *, s3_endpoint_url: str | None = None) -> BlobStore:
-    """``file:///abs/path`` or a plain path → :class:`LocalBlobStore`; ``s3://bucket/prefix`` →
-    :class:`~artifacts.s3.S3BlobStore` (``s3_endpoint_url`` for MinIO or moto). Anything else
-    raises :class:`SpecError` naming the ``store_url`` field."""
+@dataclass(frozen=True)
+class StoreRow:
+    """One scheme's store: its class as ``module:Class``, imported on first use (boto3 loads only for the stores
+    that need it), and how its URLs are written (for the fix an unusable URL gets)."""
+
+    cls: str
+    forms: str
+
+
+#: scheme → store. A URL without ``://`` is a plain directory path, served by :data:`PLAIN_PATH`'s row.
+STORES: dict[str, StoreRow] = {
+    "file": StoreRow("artifacts.local:LocalBlobStore", "file:///absolute/path, a plain directory path"),
+    "s3": StoreRow("artifacts.s3:S3BlobStore", "s3://bucket/prefix"),
+}
+PLAIN_PATH = "file"
+
+_forms = [row.forms for row in STORES.values()]
+FIX = "use " + (", ".join(_forms[:-1]) + ", or " + _forms[-1] if len(_forms) > 1 else _forms[0])
+
+
+def store_class(scheme: str) -> type[BlobStore]:
+    """The class registered for ``scheme`` (KeyError for an unregistered one)."""
+    module, _, name = STORES[scheme].cls.partition(":")
+    return getattr(import_module(module), name)
+
+
+def open_store(url: str, settings: Settings | None = None) -> BlobStore:
+    """``file:///abs/path`` or a plain path → :class:`~artifacts.local.LocalBlobStore`; ``s3://bucket/prefix`` →
+    :class:`~artifacts.s3.S3BlobStore` (its endpoint from ``settings``, ``KILN_S3_ENDPOINT_URL``). ``settings``:
+    what a store reads besides its URL; None: the environment's, read only by a store that needs them. Anything
+    else raises :class:`SpecError` naming the ``store_url`` field."""
     if not isinstance(url, str) or not url.strip():
-        raise SpecError("the store URL is empty", field="store_url", fix=_FIX)
-    parts = urlsplit(url)
-    if parts.scheme == "s3":
-        if not parts.netloc or parts.query or parts.fragment:
-            raise SpecError(f"{url!r} does not name a bucket", field="store_url", fix=_FIX)
-        from artifacts.s3 import S3BlobStore  # boto3 loads only for stores that need it
-
-        return S3BlobStore(parts.netloc, unquote(parts.path).strip("/"), endpoint_url=s3_endpoint_url)
-    if parts.scheme == "file":
-        path = unquote(parts.path)
-        if parts.netloc not in ("", "localhost") or not path.startswith("/"):
-            raise SpecError(f"{url!r} is not a local absolute path", field="store_url", fix=_FIX)
-        return LocalBlobStore(Path(path))
-    if "://" in url:
-        raise SpecError(f"unsupported store URL scheme {parts.scheme!r}", field="store_url", fix=_FIX)
-    return LocalBlobStore(Path(url).expanduser())
+        raise SpecError("the store URL is empty", field="store_url", fix=FIX)
+    scheme = urlsplit(url).scheme
+    if scheme not in STORES:
+        if "://" in url:
+            raise SpecError(f"unsupported store URL scheme {scheme!r}", field="store_url", fix=FIX)
+        scheme = PLAIN_PATH
+    try:
+        return store_class(scheme).from_url(url, settings)
+    except SpecError as exc:  # a store's own refusal of its URL gets the fix naming every form
+        if exc.field == "store_url" and exc.fix is None:
+            exc.fix = FIX
+        raise

@@ -32,10 +32,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from kiln.digests import CHUNK, parse_digest, sha256_bytes
-from kiln.errors import BlobUnknown, DigestMismatch, StorageUnavailable
+from kiln.errors import BlobUnknown, DigestMismatch, SpecError, StorageUnavailable
+
+if TYPE_CHECKING:
+    from kiln.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,14 @@ class BlobStore(abc.ABC):
 
     url: str
     """The store URL it was opened from (``file:///…`` or ``s3://bucket/prefix``)."""
+
+    @classmethod
+    def from_url(cls, url: str, settings: Settings | None) -> BlobStore:
+        """The store ``url`` names (a URL of this class's scheme in :data:`artifacts.factory.STORES`), configured
+        from ``settings`` (None: the environment's, read only if this store needs any). A URL it cannot open
+        raises :func:`url_refused`. Every registered store has one; a wrapper (``builder.leases.LeasedStore``)
+        is not opened from a URL."""
+        raise NotImplementedError(f"{cls.__name__} is not opened from a URL")
 
     # -- writing ---------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -206,3 +217,9 @@ def check_expected(expected: str | None, actual: str, url: str) -> None:
     """Raise :class:`DigestMismatch` when staged bytes do not hash to the digest they were sent as."""
     if expected is not None and actual != expected:
         raise DigestMismatch(f"bytes sent to {url} as {expected} hash to {actual}; nothing was stored")
+
+
+def url_refused(message: str) -> SpecError:
+    """What a store's ``from_url`` raises for a URL it cannot open (:func:`artifacts.factory.open_store` adds
+    the fix naming every form a store URL may take)."""
+    return SpecError(message, field="store_url")

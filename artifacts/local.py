@@ -13,12 +13,16 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
+from urllib.parse import unquote, urlsplit
 
 from artifacts import paths
-from artifacts.interfaces import BlobInfo, BlobStore, check_expected, check_range
+from artifacts.interfaces import BlobInfo, BlobStore, check_expected, check_range, url_refused
 from kiln.digests import CHUNK, parse_digest
 from kiln.errors import BlobUnknown, StorageUnavailable
+
+if TYPE_CHECKING:
+    from kiln.settings import Settings
 
 
 @contextlib.contextmanager
@@ -43,6 +47,18 @@ class LocalBlobStore(BlobStore):
         with _storage_errors(f"create the store at {self.root}"):
             for sub in (paths.BLOBS_DIR, paths.UPLOADS_DIR):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def from_url(cls, url: str, settings: Settings | None = None) -> LocalBlobStore:
+        """``file:///abs/path`` (or ``file://localhost/abs/path``), or a plain directory path (``~`` expanded);
+        it reads no settings."""
+        parts = urlsplit(url)
+        if parts.scheme != "file":
+            return cls(Path(url).expanduser())
+        path = unquote(parts.path)
+        if parts.netloc not in ("", "localhost") or not path.startswith("/"):
+            raise url_refused(f"{url!r} is not a local absolute path")
+        return cls(Path(path))
 
     def __repr__(self) -> str:
         return f"LocalBlobStore({str(self.root)!r})"

@@ -31,19 +31,23 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
+from urllib.parse import unquote, urlsplit
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
 
 from artifacts import paths
-from artifacts.interfaces import BlobInfo, BlobStore, Survey, check_expected, check_range
+from artifacts.interfaces import BlobInfo, BlobStore, Survey, check_expected, check_range, url_refused
 from artifacts.s3_multipart import (
     SourceChanged, b64_crc32, b64_sha256, copy_in_parts, is_precondition_failed, upload_in_parts,
 )
 from kiln.digests import CHUNK, parse_digest
 from kiln.errors import BlobUnknown, DigestMismatch, StorageUnavailable
+
+if TYPE_CHECKING:
+    from kiln.settings import Settings
 
 MiB = 1 << 20
 PART_SIZE = 8 * MiB
@@ -104,6 +108,19 @@ class S3BlobStore(BlobStore):
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._client = client if client is not None else make_s3_client(endpoint_url)
+
+    @classmethod
+    def from_url(cls, url: str, settings: Settings | None = None) -> S3BlobStore:
+        """``s3://bucket/prefix``; the endpoint (MinIO, moto; unset: AWS) is ``settings.s3_endpoint_url``
+        (``KILN_S3_ENDPOINT_URL``), credentials and region come from the environment (:func:`make_s3_client`)."""
+        parts = urlsplit(url)
+        if not parts.netloc or parts.query or parts.fragment:
+            raise url_refused(f"{url!r} does not name a bucket")
+        if settings is None:
+            from kiln.settings import get_settings
+
+            settings = get_settings()
+        return cls(parts.netloc, unquote(parts.path).strip("/"), endpoint_url=settings.s3_endpoint_url)
 
     def __repr__(self) -> str:
         return f"S3BlobStore({self.url!r})"

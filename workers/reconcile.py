@@ -19,14 +19,16 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from kiln.models import Build, Worker
 from kiln.states import move_build_if_unchanged
+from workers.enqueue import Enqueue, Send, send_after_commit
 from workers.liveness import is_live
 
 log = logging.getLogger(__name__)
 
 
-def reclaim_orphans(sessions: sessionmaker[Session], enqueue) -> list[str]:
-    """Running builds whose worker is dead → queued again (each reset is one atomic update)."""
-    done = []
+def reclaim_orphans(sessions: sessionmaker[Session], enqueue: Enqueue) -> list[str]:
+    """Running builds whose worker is dead → queued again (each reset is one atomic update, sent when it
+    commits). A send the broker refused is left on the row as its reason and raised once the others are done."""
+    sends = []
     with sessions() as s:
         running = s.scalars(select(Build).where(Build.status == "running")).all()
         for b in running:
@@ -37,29 +39,34 @@ def reclaim_orphans(sessions: sessionmaker[Session], enqueue) -> list[str]:
                 continue
             worker, build_id, queue = b.worker, b.id, b.queue
             if move_build_if_unchanged(s, b, "queued", reason=f"worker {worker} stopped; re-enqueued"):
-                done.append((build_id, queue))
+                sends.append(send_after_commit(s, build_id, queue, enqueue))
             s.commit()
-    for build_id, queue in done:
-        enqueue(build_id, queue)
-    return [d[0] for d in done]
+    return _sent(sends)
 
 
-def requeue_lost(sessions: sessionmaker[Session], queues: list[str], enqueue, broker_depth, *,
+def requeue_lost(sessions: sessionmaker[Session], queues: list[str], enqueue: Enqueue, broker_depth, *,
                  min_age_s: float = 5.0) -> list[str]:
     """Queued builds of ``queues`` whose broker queue is empty (their messages were lost) → enqueued again."""
     cutoff = datetime.now(timezone.utc) - timedelta(seconds=min_age_s)
-    out = []
+    sends = []
     with sessions() as s:
         rows = s.scalars(select(Build).where(Build.status == "queued", Build.queue.in_(queues))).all()
-    for b in rows:
-        created = b.created_at if b.created_at.tzinfo else b.created_at.replace(tzinfo=timezone.utc)
-        if created > cutoff:
-            continue
-        depth = broker_depth(b.queue)
-        if depth == 0:
-            enqueue(b.id, b.queue)
-            out.append(b.id)
-    return out
+        for b in rows:
+            created = b.created_at if b.created_at.tzinfo else b.created_at.replace(tzinfo=timezone.utc)
+            if created > cutoff:
+                continue
+            depth = broker_depth(b.queue)
+            if depth == 0:
+                sends.append(send_after_commit(s, b.id, b.queue, enqueue))
+        s.commit()  # nothing written: the rows were committed before; this sends
+    return _sent(sends)
+
+
+def _sent(sends: list[Send]) -> list[str]:
+    failed = [send.error for send in sends if send.error is not None]
+    if failed:
+        raise failed[0]
+    return [send.build_id for send in sends if send.sent]
 
 
 def redis_depth(app):

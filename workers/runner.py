@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 from sqlalchemy.orm import Session, sessionmaker
 
-from artifacts.factory import open_store
 from builder.pipeline import STAGES, Builder
 from kiln.errors import BuildCancelled, KilnError, StorageUnavailable
 from kiln.models import TERMINAL, Build, BuildEvent
 from kiln.settings import Settings
 from kiln.spec import parse_spec
 from kiln.states import move_build, move_build_if_unchanged
+from workers.services import build_services
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,8 @@ def _alive(session: Session, name: str) -> bool:
 def run_build(build_id: str, settings: Settings, worker_name: str, *, last_try: bool = False) -> str:
     """Run build ``build_id``; returns its final status. A StorageUnavailable propagates (the task retries it)
     unless ``last_try``: then the build fails, naming the storage error."""
-    from kiln import db
-
-    sessions = db.session_factory(settings.db_url)
+    services = build_services(settings)
+    sessions = services.sessions
     with sessions() as s:
         row = s.get(Build, build_id)
         if row is None:
@@ -125,7 +124,7 @@ def run_build(build_id: str, settings: Settings, worker_name: str, *, last_try: 
         with sessions() as s2:
             return bool(s2.get(Build, build_id).cancel_requested)
 
-    store = open_store(settings.store, s3_endpoint_url=settings.s3_endpoint_url)
+    store = services.store
     builder = Builder(settings, store, sessions, on_event=EventRecorder(sessions, build_id), should_cancel=cancelled)
     try:
         outcome = builder.build(parse_spec(spec_data, settings.roots))

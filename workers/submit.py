@@ -1,12 +1,11 @@
 """Submitting builds (the service side): answer from an existing artifact when its BuildKey is already built,
 join the identical build that is queued or running (the database's unique ``active_key`` decides, not timing),
-or create the build row, commit, and only then enqueue it."""
+or create the build row and ask for its send, which goes when that row commits (workers/enqueue.py)."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Callable
 
 from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
@@ -24,9 +23,8 @@ from kiln.states import create_build
 from validation.gates import effective_gates
 from validation.validate import judge_naming
 from workers.capabilities import routing_queues
+from workers.enqueue import Enqueue, send_after_commit
 from workers.liveness import is_live, waiting_reason, workers_for
-
-Enqueue = Callable[[str, str], None]
 
 
 @dataclass
@@ -155,30 +153,12 @@ def _create(sessions, spec: BuildSpec, prepared, queue: str, workers, enqueue: E
     with sessions() as session:
         try:
             create_build(session, build)
+            send_after_commit(session, build.id, build.queue, enqueue)  # sent when the row commits, not before
             session.commit()
         except IntegrityError:
-            session.rollback()
+            session.rollback()  # the identical build exists (a send asked for is dropped with the row)
             existing = session.scalars(select(Build).where(Build.active_key == active)).first()
             if existing is not None:
                 return Submitted("existing-build", existing)
             raise
-    enqueue_after_commit(sessions, build, enqueue)
     return Submitted("created", build)
-
-
-def enqueue_after_commit(sessions: sessionmaker[Session], build: Build, enqueue: Enqueue) -> None:
-    """The row is committed: a worker that receives the message always finds it."""
-    try:
-        enqueue(build.id, build.queue)
-    except Exception as exc:  # broker down: the build stays queued; the reconciler re-enqueues it
-        with sessions() as session:
-            row = session.get(Build, build.id)
-            row.reason = f"not yet handed to the broker ({type(exc).__name__}: {exc}); it will be re-enqueued"
-            session.commit()
-            build.reason = row.reason
-
-
-def celery_enqueue(build_id: str, queue: str) -> None:
-    from workers.tasks import run_build
-
-    run_build.apply_async(args=[build_id], queue=queue)

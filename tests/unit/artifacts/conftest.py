@@ -1,4 +1,6 @@
-"""Fixtures for the artifacts tests: every blob store backend behind one ``backend`` fixture.
+"""Fixtures for the artifacts tests: every registered blob store (``artifacts.factory.STORES``) behind one
+``backend`` fixture, each opened from its URL as Kiln opens it (``open_store``). A scheme registered without a
+harness here fails every conformance test for it.
 
 S3 runs against moto's server over real HTTP on 127.0.0.1 (one server per session, one bucket
 per test, state reset afterwards), so the tests exercise botocore's wire path, not a mock.
@@ -18,8 +20,9 @@ from typing import Any
 import pytest
 
 from artifacts import paths
+from artifacts.factory import STORES, open_store
 from artifacts.interfaces import BlobStore
-from artifacts.local import LocalBlobStore
+from kiln.settings import Settings
 
 WRITES = {"PutObject", "CopyObject", "CreateMultipartUpload", "UploadPart", "UploadPartCopy", "CompleteMultipartUpload"}
 
@@ -35,6 +38,7 @@ class Backend:
     fingerprint: Callable[[str], Any]  # changes whenever the committed blob is written again
     calls: list[tuple[str, str | None]] = field(default_factory=list)  # S3 only: (operation, key)
     client: Any = None  # S3 only: the boto3 client the store uses
+    settings: Settings | None = None  # what the store was opened with (open_store(store.url, settings))
 
     def writes(self) -> Counter[str]:
         return Counter(op for op, _ in self.calls if op in WRITES)
@@ -49,7 +53,8 @@ def s3_endpoint() -> Iterator[str]:
 
 
 def local_backend(root: Path) -> Backend:
-    store = LocalBlobStore(root)
+    settings = Settings()
+    store = open_store(root.as_uri(), settings)
 
     def corrupt(digest: str, data: bytes) -> None:
         path = root / paths.blob_path(digest)
@@ -60,17 +65,17 @@ def local_backend(root: Path) -> Backend:
         st = (root / paths.blob_path(digest)).stat()
         return st.st_ino, st.st_mtime_ns
 
-    return Backend("local", store, corrupt, lambda: os.listdir(root / paths.UPLOADS_DIR), fingerprint)
+    return Backend("file", store, corrupt, lambda: os.listdir(root / paths.UPLOADS_DIR), fingerprint,
+                   settings=settings)
 
 
 def s3_backend(endpoint: str) -> Backend:
-    from artifacts.s3 import S3BlobStore, make_s3_client
-
-    client = make_s3_client(endpoint)
     bucket = f"kiln-{uuid.uuid4().hex[:12]}"
+    settings = Settings(s3_endpoint_url=endpoint)
+    store: Any = open_store(f"s3://{bucket}/engines/test", settings)
+    client = store._client  # the client the store made (its endpoint from the settings)
     client.create_bucket(Bucket=bucket)
-    store = S3BlobStore(bucket, "engines/test", client=client)
-    backend = Backend("s3", store, lambda d, b: None, lambda: [], lambda d: None, client=client)
+    backend = Backend("s3", store, lambda d, b: None, lambda: [], lambda d: None, client=client, settings=settings)
 
     def record(params: dict[str, Any], model: Any, **_: Any) -> None:
         backend.calls.append((model.name, params.get("Key")))
@@ -92,15 +97,30 @@ def s3_backend(endpoint: str) -> Backend:
     return backend
 
 
-@pytest.fixture(params=["local", "s3"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    if request.param == "local":
-        yield local_backend(tmp_path / "store")
-        return
+def s3_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     endpoint = request.getfixturevalue("s3_endpoint")
-    yield s3_backend(endpoint)
-    # Drop every bucket so that large test blobs do not pile up in the server's memory.
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
+
+    def reset() -> None:  # drop every bucket so that large test blobs do not pile up in the server's memory
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
+
+    request.addfinalizer(reset)
+    return s3_backend(endpoint)
+
+
+#: how the conformance suite opens each registered scheme's store and reaches behind it (keyed as ``STORES``)
+HARNESSES: dict[str, Callable[[pytest.FixtureRequest, Path], Backend]] = {
+    "file": lambda request, tmp_path: local_backend(tmp_path / "store"),
+    "s3": s3_harness,
+}
+
+
+@pytest.fixture(params=sorted(STORES))
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    scheme = request.param
+    if scheme not in HARNESSES:
+        pytest.fail(f"store scheme {scheme!r} is registered (artifacts/factory.py STORES) but has no conformance "
+                    "harness: add one to HARNESSES in tests/unit/artifacts/conftest.py")
+    return HARNESSES[scheme](request, tmp_path)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""One conformance suite for every BlobStore backend (the ``backend`` fixture runs each test on
-the local store and on S3 over HTTP), then a few checks only one backend can make."""
+"""One conformance suite for every BlobStore backend (the ``backend`` fixture runs each test on every store
+``artifacts.factory.STORES`` registers, opened from its URL: the local store, and S3 over HTTP), then a few checks
+only one backend can make."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from artifacts import LocalBlobStore, open_store
+from artifacts.factory import FIX, STORES, store_class
 from artifacts.interfaces import BlobInfo, Survey
 from kiln.errors import BlobUnknown, DigestMismatch, InvalidDigest, SpecError, StorageUnavailable
+from kiln.settings import Settings
 
 Backend = Any  # the harness in conftest.py (not importable: tests/ has no packages)
 
@@ -250,7 +253,7 @@ def test_corruption_is_detected(backend: Backend):
 
 # -- backend specifics ------------------------------------------------------------------------------
 s3_only = pytest.mark.parametrize("backend", ["s3"], indirect=True)
-local_only = pytest.mark.parametrize("backend", ["local"], indirect=True)
+local_only = pytest.mark.parametrize("backend", ["file"], indirect=True)
 
 
 @s3_only
@@ -353,15 +356,40 @@ def test_local_roundtrip_property(tmp_path_factory, data):
 
 
 # -- factory --------------------------------------------------------------------------------------
+def test_every_registered_scheme_opens_its_own_class_from_its_url(backend: Backend):
+    """The store the harness opened from its URL is its scheme's class, and its URL opens it again."""
+    scheme = backend.name
+    assert type(backend.store) is store_class(scheme)
+    assert backend.store.url.startswith(f"{scheme}://")
+    assert type(open_store(backend.store.url, backend.settings)) is store_class(scheme)
+
+
 def test_open_store_picks_the_backend(tmp_path, s3_endpoint):
     assert open_store(tmp_path.as_uri()).url == tmp_path.as_uri()
     assert open_store(str(tmp_path / "plain")).url == (tmp_path / "plain").as_uri()
-    s3 = open_store("s3://bucket/some/prefix/", s3_endpoint_url=s3_endpoint)
+    s3 = open_store("s3://bucket/some/prefix/", Settings(s3_endpoint_url=s3_endpoint))
     assert (type(s3).__name__, s3.url) == ("S3BlobStore", "s3://bucket/some/prefix")
+    assert s3._client.meta.endpoint_url == s3_endpoint  # the store read its endpoint from the settings
 
 
-@pytest.mark.parametrize("url", ["", "gs://bucket/x", "s3://", "file://host/path", "file:relative"])
-def test_open_store_refuses_other_urls(url):
+def test_the_s3_store_reads_its_endpoint_from_the_environment_when_given_no_settings(monkeypatch, s3_endpoint):
+    monkeypatch.setenv("KILN_S3_ENDPOINT_URL", s3_endpoint)
+    assert open_store("s3://bucket/x")._client.meta.endpoint_url == s3_endpoint
+
+
+@pytest.mark.parametrize("url, message", [
+    ("", "the store URL is empty"), ("gs://bucket/x", "unsupported store URL scheme 'gs'"),
+    ("s3://", "'s3://' does not name a bucket"), ("s3://bucket/x?versionId=1", "does not name a bucket"),
+    ("file://host/path", "'file://host/path' is not a local absolute path"),
+    ("file:relative", "'file:relative' is not a local absolute path"),
+])
+def test_open_store_refuses_other_urls(url, message):
     with pytest.raises(SpecError) as caught:
         open_store(url)
-    assert caught.value.field == "store_url" and caught.value.fix
+    assert message in caught.value.message
+    assert caught.value.field == "store_url"
+    assert caught.value.fix == "use file:///absolute/path, a plain directory path, or s3://bucket/prefix"
+
+
+def test_the_fix_names_every_registered_form():
+    assert FIX.startswith("use ") and all(row.forms in FIX for row in STORES.values())

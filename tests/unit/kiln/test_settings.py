@@ -19,7 +19,7 @@ def test_the_aws_configuration_opens_an_s3_store_without_an_endpoint(monkeypatch
     monkeypatch.setenv("KILN_S3_ENDPOINT_URL", "")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     s = Settings()
-    store = open_store("s3://kiln-bucket/engines", s3_endpoint_url=s.s3_endpoint_url)  # no ValueError: Invalid endpoint
+    store = open_store("s3://kiln-bucket/engines", s)  # no ValueError: Invalid endpoint
     assert store is not None
 
 
