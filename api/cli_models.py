@@ -90,13 +90,13 @@ def local_support() -> dict:
     try:
         from sqlalchemy.exc import SQLAlchemyError
 
-        from kiln import db
-    except ImportError:  # the client install: no SQLAlchemy, no index
+        from workers.services import build_services
+    except ImportError:  # the client install: no SQLAlchemy and no workers package, no index
         return support_report(None, no_history="no build history: this install has no index; "
                                                "--server URL reads a server's")
     where = "KILN_DATABASE_URL" if settings.database_url else f"the index under KILN_HOME ({settings.home_dir})"
     try:
-        with db.session_factory(settings.db_url)() as session:
+        with build_services(settings).sessions() as session:
             return support_report(session, no_history="")
     except SQLAlchemyError as exc:
         return support_report(None, no_history=f"no build history: {where} could not be read "
