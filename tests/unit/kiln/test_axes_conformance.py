@@ -174,3 +174,38 @@ def test_every_combination_is_refused_with_a_fix_or_carried_by_every_rule_that_r
             assert plan["quantization"]["kv_cache_quant_algo"] == KV_CACHES[kv_cache].quant_algo
             assert check_engine_config({}, built)  # an empty engine config is told apart
             assert expected_plugins(built)["paged_kv_cache"] is True
+
+
+# -- nothing outside a descriptor compares its names ----------------------------------------------
+#: the descriptor modules (and the recipes, a precision's own table)
+HOMES = {"kiln/precisions.py", "kiln/recipes.py", "kiln/backends.py", "kiln/kvcache.py", "kiln/targets.py"}
+#: names that are also ordinary words elsewhere (a device "cpu", a format's activations "none", the field "checkpoint")
+AMBIGUOUS = {"cpu", "none", "checkpoint"}
+
+
+def _compared_names(tree, names: set[str]) -> list[tuple[int, str]]:
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                found += [(node.lineno, i.value) for i in items
+                          if isinstance(i, ast.Constant) and isinstance(i.value, str) and i.value in names]
+    return found
+
+
+def test_no_module_outside_the_descriptors_compares_an_axis_name():
+    import ast
+
+    repo = Path(__file__).resolve().parents[3]
+    names = (set(PRECISIONS) | set(BACKENDS) | set(KV_CACHES) | set(TARGETS)) - AMBIGUOUS
+    offenders = []
+    for package in ("kiln", "builder", "workers", "api", "validation", "artifacts"):
+        for path in sorted((repo / package).rglob("*.py")):
+            rel = path.relative_to(repo).as_posix()
+            if rel not in HOMES:
+                offenders += [f"{rel}:{line} compares {name!r}" for line, name in
+                              _compared_names(ast.parse(path.read_text(encoding="utf-8")), names)]
+    assert not offenders, "ask the descriptor instead: " + "; ".join(offenders)
