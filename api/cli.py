@@ -14,8 +14,10 @@ from api.cli_base import KilnGroup, _context, _find_artifact, main  # noqa: F401
 from api.output import json_line
 from api.progress import Progress
 from kiln import units
-from kiln.backends import DEFAULT_BACKEND
+from kiln.backends import BACKENDS, DEFAULT_BACKEND
 from kiln.errors import KilnError, SpecError
+from kiln.kvcache import DEFAULT_KV_CACHE, KV_CACHES
+from kiln.precisions import PRECISIONS
 from kiln.targets import GPU_ARCHS
 
 PROFILE_FIELDS = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
@@ -140,19 +142,19 @@ def _print_recipe(recipe: dict) -> None:
 @click.option("-f", "--file", "spec_file", metavar="FILE", help="build every spec of a build document (YAML or JSON: "
               "one spec, or a matrix; - for stdin), the document POST /v1/builds takes; its JSON Schema: kiln schema. "
               "Not with CHECKPOINT or the spec's options")
-@click.option("--precision", default="fp8", show_default=True, help="fp8 | nvfp4")
+@click.option("--precision", default="fp8", show_default=True, help=" | ".join(PRECISIONS))
 @click.option("--recipe", help="quantization recipe of the precision, or auto (its ladder); default: the "
               "precision's (auto). kiln models lists them")
 @click.option("--unquantized-layers", help="decoder layers kept unquantized, comma-separated indices (0,-1: the "
               "first and the last)")
-@click.option("--kv-cache", default="none", show_default=True, help="none | fp8")
+@click.option("--kv-cache", default=DEFAULT_KV_CACHE, show_default=True, help=" | ".join(KV_CACHES))
 @click.option("--profile", default="latency", show_default=True, help="latency | balanced | throughput")
 @click.option("--max-batch-size", type=int)
 @click.option("--max-input-len", type=int)
 @click.option("--max-seq-len", type=int)
 @click.option("--max-num-tokens", type=int)
 @click.option("--target", default="cpu", show_default=True, help=f"cpu, {'|'.join(GPU_ARCHS)}, or a GPU name (h100)")
-@click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help="aot-inductor | checkpoint | trtllm-engine")
+@click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help=" | ".join(BACKENDS))
 @click.option("--tp", default=1, show_default=True, type=int, help="tensor-parallel size")
 @click.option("--model-name", help="repository name of the engine (default: from the checkpoint)")
 @click.option("--calib-dataset", default="kiln:calibration", show_default=True)

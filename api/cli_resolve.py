@@ -9,6 +9,8 @@ import json
 import click
 
 from api.cli_base import _context, main
+from kiln.backends import BACKENDS, DEFAULT_BACKEND
+from kiln.precisions import PRECISIONS
 from kiln.targets import GPU_ARCHS
 
 
@@ -32,11 +34,10 @@ def _resolve_local(query: dict) -> dict:
 
 @main.command()
 @click.argument("model")
-@click.option("--precision", required=True, help="fp8 | nvfp4")
+@click.option("--precision", required=True, help=" | ".join(PRECISIONS))
 @click.option("--target", required=True, help=f"cpu, {'|'.join(GPU_ARCHS)}, or a GPU name (h100)")
 @click.option("--profile", default="latency", show_default=True, help="the batch profile's name")
-@click.option("--backend", help="aot-inductor | checkpoint | trtllm-engine (default: the one kiln build uses, "
-                                "aot-inductor)")
+@click.option("--backend", help=f"{' | '.join(BACKENDS)} (default: the one kiln build uses, {DEFAULT_BACKEND})")
 @click.option("--runtime", help="the deployer's toolchain, e.g. tensorrt_llm=1.2.1,tensorrt=10.13.3: only an "
                                 "engine built with exactly these versions is returned")
 @click.option("--registry", help="host[:port][/path] of your registry: print the engine's copy Kiln pushed there "

@@ -71,17 +71,11 @@ def accuracy_passed(report: dict) -> bool:
 
 
 def screen_dtype(spec: BuildSpec, quantized: Path):
-    """What the rung's engine would compute in: an aot-inductor engine's compute dtype (a bf16 checkpoint on a CPU
-    with native bf16 computes in bf16), float32 for the others (the checkpoint runner's)."""
-    import json
+    """What the rung's engine would compute in, as its backend says (an aot-inductor engine of a bf16 checkpoint on
+    a CPU with native bf16 computes in bf16; the others in float32, the checkpoint runner's)."""
+    from builder.backends import get_backend
 
-    import torch
-
-    if spec.backend != "aot-inductor":
-        return torch.float32
-    from builder.backends.aot_inductor import compute_dtype
-
-    return compute_dtype(spec.target, json.loads((quantized / "hf" / "config.json").read_text()))
+    return get_backend(spec.backend).compute_dtype(spec, quantized)
 
 
 def screen(quantized: Path, reference, ids, seq: int, batch: int, dtype=None, gates: dict | None = None) -> dict:

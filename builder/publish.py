@@ -15,12 +15,14 @@ from artifacts.interfaces import BlobStore, Survey
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_engine_image, push_referrer
 from artifacts.signing import Signer, configured_signer
 from builder.attest import sign_engine
-from kiln.backends import default_backend
+from kiln.backends import BACKENDS, default_backend
 from kiln.errors import ArtifactUnknown
 from kiln.models import Artifact, Referrer, TrackedModel
 from kiln.sources import source_link
 from kiln.spec import BuildSpec
 from kiln.states import add_artifact, initial_artifact_status, move_artifact, name_engine
+from kiln.targets import CPU
+from kiln.toolchain import ABSENT
 from validation.report import REPORT_TYPE, report_document, to_json
 from validation.validate import judge_naming
 
@@ -39,17 +41,19 @@ def _source_url(ref: str) -> str:
 
 
 def runtime_for(spec: BuildSpec, toolchain: dict) -> str:
-    """What loads this engine: the exact toolchain for a TensorRT engine (in resolve's ``runtime=`` form), the
-    torch version for an AOTInductor package (and for a ``cpu`` one the CPU it needs, kiln/toolchain.py
-    ``host_cpu``), the runtimes with serving configs for a checkpoint."""
-    if spec.backend == "trtllm-engine":
-        return f"tensorrt_llm={toolchain.get('tensorrt_llm', 'absent')},tensorrt={toolchain.get('tensorrt', 'absent')}"
-    if spec.backend == "aot-inductor":  # a cpu engine also needs the CPU it was compiled for (or one with more)
-        cpu = f",cpu={toolchain['cpu']}" if spec.target == "cpu" and toolchain.get("cpu") else ""
-        return f"torch={toolchain.get('torch', 'absent')}{cpu}"
-    from builder.serving import served_by
+    """What loads this engine, as its backend's descriptor says (``Backend.runtime``): the toolchain entries that
+    bind it, in resolve's ``runtime=`` form (a TensorRT engine: TensorRT-LLM and TensorRT; an AOTInductor package:
+    torch, and for a ``cpu`` one the CPU it needs, kiln/toolchain.py ``host_cpu``), or the runtimes with serving
+    configs (a checkpoint)."""
+    backend = BACKENDS[spec.backend]
+    if backend.runtime:
+        parts = [f"{name}={toolchain.get(name, ABSENT)}" for name in backend.runtime]
+        if backend.cpu_native and spec.target == CPU and toolchain.get("cpu"):  # or a CPU with more features
+            parts.append(f"cpu={toolchain['cpu']}")
+        return ",".join(parts)
+    from builder.serving import ANNOTATION_NAMES, served_by
 
-    return ",".join("tensorrt-llm-pytorch" if r == "tensorrt-llm" else r for r in served_by(spec))
+    return ",".join(ANNOTATION_NAMES[r] for r in served_by(spec))
 
 
 def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: bool) -> dict[str, str]:

@@ -24,6 +24,7 @@ import torch
 
 from kiln.errors import SpecError, StageFailed
 from kiln.families import family_of
+from kiln.kvcache import KV_CACHES
 from kiln.progress import report
 from kiln.recipes import AUTO, RECIPES
 from kiln.spec import BuildSpec
@@ -57,12 +58,13 @@ def _add_rules(cfg: dict, rules: list[dict]) -> None:
 
 
 def quant_config(recipe: str, kv_cache: str, unquantized_layers: tuple[int, ...] = (), num_layers: int = 0) -> dict:
-    """The recipe's ModelOpt config, with the FP8 KV-cache rules and the layers kept unquantized added."""
+    """The recipe's ModelOpt config, with the KV cache's rules (kiln/kvcache.py) and the layers kept unquantized
+    added."""
     import modelopt.torch.quantization as mtq
 
     cfg = copy.deepcopy(getattr(mtq, RECIPES[recipe].modelopt_config))
-    if kv_cache == "fp8":
-        kv = copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])
+    if (kv_config := KV_CACHES[kv_cache].modelopt_config) is not None:
+        kv = copy.deepcopy(getattr(mtq, kv_config)["quant_cfg"])
         _add_rules(cfg, list(kv) if isinstance(kv, list) else [{"quantizer_name": k, "cfg": v} for k, v in kv.items()])
     if unquantized_layers:
         # "*layers.1.*" matches layer 1's quantizers and not layer 11's: the index ends at a dot

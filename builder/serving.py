@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from kiln.kvcache import KV_CACHES
 from kiln.recipes import RECIPES, Recipe
 from kiln.spec import BuildSpec
 from kiln.toolchain import SERVING_CONFIG_VERSION
@@ -46,11 +47,9 @@ RUNTIMES = {
     "vllm": ("0.19", "vllm.yaml"),
     "sglang": ("0.5", "sglang.yaml"),
 }
-KV_CACHE_DTYPE = {  # spec.kv_cache → each runtime's name ("auto": the checkpoint's own, unquantized here)
-    "tensorrt-llm": {"none": "auto", "fp8": "fp8"},
-    "vllm": {"none": "auto", "fp8": "fp8"},
-    "sglang": {"none": "auto", "fp8": "fp8_e4m3"},
-}
+#: runtime name → how an engine's ``engine.runtime`` annotation names it (TensorRT-LLM loads a checkpoint through
+#: its PyTorch backend)
+ANNOTATION_NAMES = {"tensorrt-llm": "tensorrt-llm-pytorch", "vllm": "vllm", "sglang": "sglang"}
 
 
 def recipe_of(spec: BuildSpec) -> Recipe:
@@ -80,7 +79,7 @@ def trtllm_options(spec: BuildSpec) -> dict:
         "max_batch_size": p.max_batch_size,
         "max_num_tokens": p.max_num_tokens,
         "max_seq_len": p.max_seq_len,
-        "kv_cache_config": {"dtype": KV_CACHE_DTYPE["tensorrt-llm"][spec.kv_cache]},
+        "kv_cache_config": {"dtype": KV_CACHES[spec.kv_cache].runtimes["tensorrt-llm"]},
         "cuda_graph_config": {"batch_sizes": cuda_graph_batch_sizes(p.max_batch_size), "enable_padding": True},
     }
 
@@ -92,7 +91,7 @@ def vllm_options(spec: BuildSpec) -> dict:
         "max-num-seqs": p.max_batch_size,
         "max-model-len": p.max_seq_len,
         "max-num-batched-tokens": p.max_num_tokens,
-        "kv-cache-dtype": KV_CACHE_DTYPE["vllm"][spec.kv_cache],
+        "kv-cache-dtype": KV_CACHES[spec.kv_cache].runtimes["vllm"],
         "quantization": recipe_of(spec).runtimes["vllm"],
     }
 
@@ -106,7 +105,7 @@ def sglang_options(spec: BuildSpec) -> dict:
         "max-running-requests": p.max_batch_size,
         "max-prefill-tokens": p.max_num_tokens,
         "chunked-prefill-size": p.max_num_tokens,
-        "kv-cache-dtype": KV_CACHE_DTYPE["sglang"][spec.kv_cache],
+        "kv-cache-dtype": KV_CACHES[spec.kv_cache].runtimes["sglang"],
         "quantization": recipe_of(spec).runtimes["sglang"],
         "cuda-graph-max-bs": p.max_batch_size,
         "cuda-graph-bs": cuda_graph_batch_sizes(p.max_batch_size),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kiln.families import FAMILIES, Family
 from kiln.precisions import PRECISIONS, Precision
+from kiln.targets import FLOOR_SM
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,15 @@ class Backend:
     kv_cache_quant: bool  # has a KV cache to quantize
     toolchain: tuple[str, ...]  # versions beyond torch / ModelOpt / transformers that bind its output
     status: str  # what has run where (README "What has run where")
+    #: toolchain entries that name what loads its output (the ``engine.runtime`` annotation, ``kiln resolve
+    #: --runtime``); empty: the serving runtimes its serving configurations name (builder/serving.py)
+    runtime: tuple[str, ...]
     #: a cpu build's output is machine code for the build CPU's ISA (it loads only where those features are)
     cpu_native: bool = False
+    #: what a worker needs beyond CUDA torch to build it for a GPU target (workers/capabilities.py detects each)
+    worker_needs: tuple[str, ...] = ()
+    #: workers advertise a queue per TensorRT-LLM / TensorRT version their toolchain binds the output to
+    versioned_queues: bool = False
 
     def family_gap(self, family: Family) -> str | None:
         """Why this backend cannot build ``family``; None when it can."""
@@ -36,9 +44,13 @@ class Backend:
             return family.trtllm_gap or f"TensorRT-LLM 1.2.x's engine path has no {family.title}"
         return None
 
+    def min_sm(self, precision: Precision) -> int:
+        """The oldest GPU architecture this backend builds ``precision`` for."""
+        return precision.min_sm_trtllm_engine if self.export == "trtllm" else precision.min_sm
+
     def precision_gap(self, precision: Precision, sm: int | None) -> str | None:
         """Why this backend cannot build ``precision`` for a GPU of ``sm`` (None: cpu); None when it can."""
-        need = precision.min_sm_trtllm_engine if self.export == "trtllm" else precision.min_sm
+        need = self.min_sm(precision)
         if sm is not None and sm < need:
             return f"{precision.name} {'TensorRT-LLM engines need' if self.export == 'trtllm' else 'needs'} sm{need}+"
         return None
@@ -52,15 +64,16 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("aot-inductor", "torch.export + AOTInductor package (portable engine)", "hf",
             "builder.backends.aot_inductor:AOTInductorBackend", "validation.runners:AOTInductorRunner",
             gpu_only=False, tensor_parallel=False, kv_cache_quant=False, toolchain=("cuda",),
-            status="runs here (CPU); CUDA compile measured on an H200 once", cpu_native=True),
+            status="runs here (CPU); CUDA compile measured on an H200 once", runtime=("torch",), cpu_native=True),
     Backend("checkpoint", "ModelOpt unified HF checkpoint (TensorRT-LLM PyTorch backend, vLLM, SGLang)", "hf",
             "builder.backends.checkpoint:CheckpointBackend", "validation.runners:CheckpointRunner",
             gpu_only=False, tensor_parallel=False, kv_cache_quant=True, toolchain=("kiln_serving",),
-            status="runs here (validated on CPU from its own tensors)"),
+            status="runs here (validated on CPU from its own tensors)", runtime=()),
     Backend("trtllm-engine", "TensorRT-LLM 1.2.x engine (trtllm-build)", "trtllm",
             "builder.backends.trtllm:TRTLLMBackend", "validation.runners:TRTLLMRunner",
             gpu_only=True, tensor_parallel=True, kv_cache_quant=True, toolchain=("tensorrt_llm", "tensorrt", "cuda"),
-            status="planned: written against TensorRT-LLM 1.2.x, never run (no TensorRT-LLM or GPU here)"),
+            status="planned: written against TensorRT-LLM 1.2.x, never run (no TensorRT-LLM or GPU here)",
+            runtime=("tensorrt_llm", "tensorrt"), worker_needs=("tensorrt_llm",), versioned_queues=True),
 )}
 
 
@@ -91,9 +104,8 @@ def support_matrix() -> list[dict]:
                 rows.append({"family": family.name, "title": family.title, "model_types": list(family.model_types),
                              "precision": precision.name, "backend": backend.name, "supported": gap is None,
                              "status": backend.status if gap is None else "unsupported",
-                             "reason": gap or (f"{precision.name} engines need sm{precision.min_sm_trtllm_engine}+"
-                                               if backend.export == "trtllm" and precision.min_sm_trtllm_engine > 89
-                                               else "")})
+                             "reason": gap or (f"{precision.name} engines need sm{backend.min_sm(precision)}+"
+                                               if backend.min_sm(precision) > FLOOR_SM else "")})
     return rows
 
 

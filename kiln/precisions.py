@@ -140,6 +140,9 @@ class Precision:
     default_recipe: str = "auto"  # a spec without ``recipe``
     #: a dimension every quantized activation's last axis must divide by (NVFP4: its 16-element blocks)
     block: int = 1
+    #: ``trtllm-build --gemm_plugin`` for its engines (builder/backends/trtllm.py says why): ``auto`` resolves to the
+    #: model's dtype for the unquantized GEMMs; a named plugin is held in the engine's ``plugin_config``
+    trtllm_gemm_plugin: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,7 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("nvfp4", "NVFP4 (e2m1) weights, FP8 scales per 16 values", min_sm=89, min_sm_trtllm_engine=100,
               gates={"max_ppl_increase_pct": 15.0, "min_top1_agreement": 0.70, "max_mean_kl": 0.25,
                      "max_task_accuracy_drop_pts": 8.0, "min_throughput_tps": 1.0},
-              ladder=("nvfp4", "nvfp4-mlp-only", "nvfp4-w4a16"), block=NVFP4_GROUP),
+              ladder=("nvfp4", "nvfp4-mlp-only", "nvfp4-w4a16"), block=NVFP4_GROUP, trtllm_gemm_plugin="nvfp4"),
 )}
 
 FORMATS: dict[str, QuantFormat] = {f.quant_algo: f for f in (
@@ -178,9 +181,6 @@ FORMATS: dict[str, QuantFormat] = {f.quant_algo: f for f in (
                 ("weight_scale", "weight_scale_2", "input_scale")),
     QuantFormat("W4A16_NVFP4", "nvfp4", dequantize_nvfp4, "none", None, ("weight_scale", "weight_scale_2")),
 )}
-#: KV-cache scales ModelOpt writes beside the attention projections (FP8 KV cache); read by runtimes with a KV
-#: cache, consumed (not emulated) by Kiln's full-sequence engines
-KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "k_proj.output_scale", "v_proj.output_scale")
 
 
 def get_precision(name: str) -> Precision:

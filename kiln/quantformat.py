@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from kiln.errors import StageFailed
-from kiln.precisions import FORMATS, KV_SCALE_SUFFIXES, PRECISIONS, Precision, QuantFormat
+from kiln.kvcache import KV_SCALE_SUFFIXES
+from kiln.precisions import FORMATS, PRECISIONS, Precision, QuantFormat
 
 
 @dataclass

@@ -14,12 +14,12 @@ from kiln.backends import BACKENDS, DEFAULT_BACKEND
 from kiln.datasets import task_path
 from kiln.errors import SpecError
 from kiln.families import family_of
+from kiln.kvcache import DEFAULT_KV_CACHE, KV_CACHES, backend_gap, kv_cache_error
 from kiln.precisions import PRECISIONS
 from kiln.recipes import AUTO, RECIPES, ladder, recipes_for, resolved_recipe
 from kiln.sources import check_ref, default_model_name
 from kiln.targets import GPU_ARCHS, normalize_target
 
-KV_CACHES = ("none", "fp8")
 GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", "max_task_accuracy_drop_pts", "min_throughput_tps",
               "max_peak_memory_bytes", "max_throughput_drop_pct", "max_accuracy_regression_pct")
 # Changing the regression gate (the comparison with the previous engine of the same target) needs a recorded reason.
@@ -83,7 +83,7 @@ class BuildSpec(BaseModel):
     recipe: str | None = None
     #: decoder layers kept in the model's dtype (indices; negative counts from the last), e.g. [0, -1]
     unquantized_layers: tuple[int, ...] = ()
-    kv_cache: str = "none"
+    kv_cache: str = DEFAULT_KV_CACHE
     profile: BatchProfile | str = "latency"
     target: str = "cpu"
     backend: str = DEFAULT_BACKEND
@@ -171,8 +171,7 @@ def _name_rules(d: dict[str, Any]) -> list[dict]:
     errs: list[dict] = []
     if d["precision"] not in PRECISIONS:
         errs.append(_bad("precision", f"{d['precision']!r} is not supported", f"use one of: {', '.join(PRECISIONS)}"))
-    if d["kv_cache"] not in KV_CACHES:
-        errs.append(_bad("kv_cache", f"{d['kv_cache']!r} is not supported", f"use one of: {', '.join(KV_CACHES)}"))
+    errs += [e] if (e := kv_cache_error(d["kv_cache"])) else []
     if d["backend"] not in BACKENDS:
         errs.append(_bad("backend", f"{d['backend']!r} is not a backend", f"use one of: {', '.join(BACKENDS)}"))
     target, err = normalize_target(d["target"])
@@ -350,10 +349,8 @@ def _target_rules(d: dict[str, Any]) -> list[dict]:
         tp = [b.name for b in BACKENDS.values() if b.tensor_parallel]
         errs.append(_bad("tp_size", f"tensor parallelism is only for {' / '.join(tp)} builds, backend is {backend.name}",
                          f"use --tp 1, or --backend {' / '.join(tp)}"))
-    if d["kv_cache"] == "fp8" and not backend.kv_cache_quant:
-        kv = [b.name for b in BACKENDS.values() if b.kv_cache_quant]
-        errs.append(_bad("kv_cache", f"{backend.name} engines have no KV cache to quantize",
-                         f"use --kv-cache none, or --backend {' / '.join(kv)}"))
+    if d["kv_cache"] in KV_CACHES and (e := backend_gap(KV_CACHES[d["kv_cache"]], backend)):
+        errs.append(e)
     return errs
 
 

@@ -61,7 +61,7 @@ def normalize_target(value: str) -> tuple[str | None, dict | None]:
         return None, _error(f"{value!r} is not an architecture Kiln builds for", f"use one of {', '.join(GPU_ARCHS)} (or cpu)")
     if v in OLD_GPUS or (v.startswith("sm") and digits):
         sm = OLD_GPUS.get(v) or int(v[2:])
-        return None, _error(f"{value!r} is sm{sm}; FP8 needs sm{FLOOR_SM}+ and NVFP4 engines sm100+",
+        return None, _error(f"{value!r} is sm{sm}; Kiln's precisions need sm{FLOOR_SM}+",
                             f"use a target of sm{FLOOR_SM} or newer ({', '.join(GPU_ARCHS)}) or cpu")
     return None, _error(f"unknown target {value!r}",
                         f"use cpu, one of {', '.join(GPU_ARCHS)}, or a GPU name such as {', '.join(list(GPU_NAMES)[:6])}")

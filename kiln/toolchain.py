@@ -17,6 +17,7 @@ import os
 import platform
 from functools import lru_cache
 from importlib import metadata
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,19 @@ def cpu_incompatibility(built: str | None, asked: str) -> str | None:
     return None
 
 
+def _cuda_version() -> str:
+    import torch
+
+    return str(torch.version.cuda)
+
+
+#: toolchain entry → how it is read; a backend's descriptor names the entries that bind its output (``toolchain``)
+READERS: dict[str, Callable[[], str]] = {
+    "tensorrt_llm": lambda: tensorrt_llm_version() or ABSENT, "tensorrt": lambda: tensorrt_version() or ABSENT,
+    "cuda": _cuda_version, "kiln_serving": lambda: SERVING_CONFIG_VERSION,
+}
+
+
 def toolchain_for(backend: str, target: str) -> dict[str, str]:
     """Versions that can change the bytes of a ``backend`` build for ``target`` (a copy: callers may change it)."""
     return dict(_toolchain_for(backend, target))
@@ -225,11 +239,9 @@ def _toolchain_for(backend: str, target: str) -> dict[str, str]:
 
     if target == "cpu":
         tc["cpu"] = host_cpu()
-    readers = {"tensorrt_llm": lambda: tensorrt_llm_version() or ABSENT, "tensorrt": lambda: tensorrt_version() or ABSENT,
-               "cuda": lambda: str(torch.version.cuda), "kiln_serving": lambda: SERVING_CONFIG_VERSION}
     for name in get_backend_info(backend).toolchain:  # what binds this backend's output (its descriptor says)
         if name != "cuda" or target != "cpu" or get_backend_info(backend).gpu_only:
-            tc[name] = readers[name]()
+            tc[name] = READERS[name]()
     return tc
 
 

@@ -13,6 +13,7 @@ import torch
 
 from kiln import units
 from kiln.errors import SpecError, ValidationFailed
+from kiln.kvcache import DEFAULT_KV_CACHE
 from kiln.spec import BuildSpec
 from validation.gates import MEMORY_GATE, TASK_GATE, evaluate, judged_gates, regression
 from validation.measure import (accuracy, conditions, cpu_wait, decode_latency, peak_memory, throughput,
@@ -201,7 +202,7 @@ def previous_engine(sessions, spec: BuildSpec, build_key: str, data: dict | None
             pspec = (row.provenance or {}).get("spec") or {}
             prof = pspec.get("profile")
             limits = {k: prof.get(k) for k in spec.batch_profile.limits()} if isinstance(prof, dict) else None
-            if limits != spec.batch_profile.limits() or pspec.get("kv_cache", "none") != spec.kv_cache \
+            if limits != spec.batch_profile.limits() or pspec.get("kv_cache", DEFAULT_KV_CACHE) != spec.kv_cache \
                     or pspec.get("tp_size", 1) != spec.tp_size:
                 continue
             validation = row.validation or {}

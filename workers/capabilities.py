@@ -27,7 +27,8 @@ import shutil
 from collections import Counter
 from typing import Callable, Iterable
 
-from kiln.targets import GPU_ARCHS
+from kiln.backends import BACKENDS
+from kiln.targets import CPU, GPU_ARCHS
 from kiln.toolchain import ABSENT, detect_gpus, toolchain_for
 
 QUEUE_PREFIX = "kiln"
@@ -59,17 +60,25 @@ def versioned_suffix(toolchain: dict | None) -> str | None:
 def queue_name(backend: str, target: str, *, tp_size: int = 1, toolchain: dict | None = None) -> str:
     """The queue a build of ``backend`` for ``target`` goes to.
 
-    With the defaults this is the generic name (``kiln.trtllm-engine.sm90``). For ``trtllm-engine``,
-    ``toolchain`` (with ``tensorrt_llm`` and ``tensorrt`` versions) selects the versioned queue and
-    ``tp_size > 1`` the tensor-parallel one; other backends ignore both (they have no TP and no TensorRT)."""
+    With the defaults this is the generic name (``kiln.trtllm-engine.sm90``). For a backend with versioned queues
+    (its descriptor's ``versioned_queues``: ``trtllm-engine``), ``toolchain`` (with ``tensorrt_llm`` and
+    ``tensorrt`` versions) selects the versioned queue; for a ``tensor_parallel`` one ``tp_size > 1`` the
+    tensor-parallel queue; other backends ignore both."""
     name = f"{QUEUE_PREFIX}.{backend}.{target}"
-    if backend != "trtllm-engine":
+    info = BACKENDS.get(backend)
+    if info is None:
         return name
-    if (suffix := versioned_suffix(toolchain)) is not None:
+    if info.versioned_queues and (suffix := versioned_suffix(toolchain)) is not None:
         name += f".{suffix}"
-    if tp_size > 1:
+    if info.tensor_parallel and tp_size > 1:
         name += f".tp{tp_size}"
     return name
+
+
+def _one_queue(backend: str) -> bool:
+    """A backend with one queue per target: no tensor-parallel and no versioned queues (its descriptor says)."""
+    info = BACKENDS.get(backend)
+    return info is None or not (info.tensor_parallel or info.versioned_queues)
 
 
 def parse_queue_name(name: str) -> dict | None:
@@ -97,9 +106,9 @@ def routing_queues(backend: str, target: str, tp_size: int, advertised: Iterable
     Without ``runtime`` (``{"tensorrt_llm": "1.2.1", "tensorrt": "10.13.3"}``, either key optional): the versioned
     queues for (backend, target, tp_size) that some worker serves, newest version first, then the generic queue.
     With ``runtime``: only the versioned queues matching it — an engine for a pinned runtime must not be built by
-    a worker with another one. Non-``trtllm-engine`` backends have exactly one queue."""
+    a worker with another one. A backend with neither versioned nor tensor-parallel queues has exactly one."""
     generic = queue_name(backend, target, tp_size=tp_size)
-    if backend != "trtllm-engine":
+    if _one_queue(backend):
         return [generic]
     versioned = []
     for q in sorted(set(advertised)):
@@ -135,24 +144,27 @@ def detect(gpus: list[dict] | None = None, *, trtllm: bool | None = None, cuda: 
     cuda = cuda_torch() if cuda is None else cuda
     counts = Counter(g["sm"] for g in gpus if g.get("sm") in GPU_ARCHS)
     gpu_targets = sorted(counts)
-    pairs = [("aot-inductor", "cpu"), ("checkpoint", "cpu")]
+    have = {"tensorrt_llm": bool(trtllm)}  # what a backend's worker_needs may name
+    plain = [b.name for b in BACKENDS.values() if not b.worker_needs]
+    needing = [b.name for b in BACKENDS.values() if b.worker_needs and all(have[n] for n in b.worker_needs)]
+    pairs = [(b, CPU) for b in plain if not BACKENDS[b].gpu_only]
     if cuda:
-        pairs += [(b, t) for t in gpu_targets for b in ("aot-inductor", "checkpoint")]
-    if trtllm and cuda:
-        pairs += [("trtllm-engine", t) for t in gpu_targets]
+        pairs += [(b, t) for t in gpu_targets for b in plain]
+        pairs += [(b, t) for b in needing for t in gpu_targets]
     queues: list[str] = []
     toolchains: dict[str, dict] = {}
     tp_sizes: dict[str, list[int]] = {}
     for backend, target in pairs:
         tc = toolchain(backend, target)
-        if backend != "trtllm-engine":
+        if _one_queue(backend):
             names = [queue_name(backend, target)]
         else:
-            tp_sizes[target] = [tp for tp in TP_SIZES if tp <= counts[target]]
+            info = BACKENDS[backend]
+            tp_sizes[target] = [tp for tp in TP_SIZES if tp <= counts[target] and (info.tensor_parallel or tp == 1)]
             names = []
             for tp in tp_sizes[target]:
                 names.append(queue_name(backend, target, tp_size=tp))
-                if versioned_suffix(tc) is not None:
+                if info.versioned_queues and versioned_suffix(tc) is not None:
                     names.append(queue_name(backend, target, tp_size=tp, toolchain=tc))
         for q in names:
             queues.append(q)

@@ -88,6 +88,10 @@ def _dims(spec: BuildSpec):
 class AOTInductorBackend(Backend):
     name = "aot-inductor"
 
+    def compute_dtype(self, spec: BuildSpec, quantized_dir: Path) -> torch.dtype:
+        """A bf16 checkpoint on a CPU with native bf16 computes in bf16 (:func:`compute_choice`)."""
+        return compute_dtype(spec.target, json.loads((quantized_dir / "hf" / "config.json").read_text()))
+
     def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
         p = spec.batch_profile
         return {"commands": [], "steps": [

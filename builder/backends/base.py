@@ -21,6 +21,13 @@ class Backend(abc.ABC):
     def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
         """What compile would do, without doing it: ``{"commands": [[argv...]], "steps": [text...]}``."""
 
+    def compute_dtype(self, spec: BuildSpec, quantized_dir: Path):
+        """The dtype this backend's engine computes ``spec``'s quantized checkpoint in (what the ladder screens a
+        rung in): float32, the checkpoint runner's, unless the backend computes in another."""
+        import torch
+
+        return torch.float32
+
     def check_environment(self, spec: BuildSpec) -> None:
         """Raise ToolchainMissing when this machine cannot build ``spec`` with this backend."""
 

@@ -39,13 +39,13 @@ from pathlib import Path
 
 from builder.backends.base import Backend
 from kiln.errors import SpecError, StageFailed, ToolchainMissing
+from kiln.kvcache import KV_CACHES
+from kiln.precisions import PRECISIONS
 from kiln.recipes import RECIPES
 from kiln.spec import BuildSpec
 from kiln.toolchain import detect_gpus, gpus_of, tensorrt_llm_version
 
 ENGINE_FORMAT = "kiln-trtllm-engine/1"
-#: ``--gemm_plugin`` per precision (see the module docstring for why)
-GEMM_PLUGIN = {"fp8": "auto", "nvfp4": "nvfp4"}
 INSTALL_HINT = ("GPU workers get it from NVIDIA's TensorRT-LLM 1.2.x release container "
                 "(nvcr.io/nvidia/tensorrt-llm/release:1.2.1); see docs/gpu.md")
 #: files of the unified HF export copied next to the engine (``tokenizer/``): what trtllm-serve's ``--tokenizer``
@@ -78,11 +78,10 @@ print(json.dumps(out))
 
 
 def plugin_flags(spec: BuildSpec) -> list[tuple[str, str]]:
-    """The plugin flags for ``spec``'s precision and KV cache (see the module docstring for why)."""
-    flags = [("--gemm_plugin", GEMM_PLUGIN[spec.precision])]
-    if spec.kv_cache == "fp8":
-        flags += [("--use_paged_context_fmha", "enable"), ("--use_fp8_context_fmha", "enable")]
-    return flags
+    """The plugin flags for ``spec``'s precision and KV cache, as their descriptors say (see the module docstring
+    for why)."""
+    return [("--gemm_plugin", PRECISIONS[spec.precision].trtllm_gemm_plugin),
+            *KV_CACHES[spec.kv_cache].trtllm_build_flags]
 
 
 def build_argv(spec: BuildSpec, checkpoint_dir: Path, out_dir: Path) -> list[str]:
@@ -106,11 +105,9 @@ def build_argv(spec: BuildSpec, checkpoint_dir: Path, out_dir: Path) -> list[str
 def expected_plugins(spec: BuildSpec) -> dict:
     """``build_config.plugin_config`` entries a correct engine for ``spec`` has."""
     want: dict = {"paged_kv_cache": True}
-    if spec.precision == "nvfp4":
-        want["gemm_plugin"] = "nvfp4"
-    if spec.kv_cache == "fp8":
-        want |= {"context_fmha": True, "use_paged_context_fmha": True, "use_fp8_context_fmha": True}
-    return want
+    if (gemm := PRECISIONS[spec.precision].trtllm_gemm_plugin) != "auto":  # auto is the model dtype's, not checked
+        want["gemm_plugin"] = gemm
+    return want | KV_CACHES[spec.kv_cache].trtllm_plugins
 
 
 def check_engine_config(config: dict, spec: BuildSpec) -> list[str]:
@@ -121,7 +118,7 @@ def check_engine_config(config: dict, spec: BuildSpec) -> list[str]:
     want_algo = RECIPES[spec.rungs[0]].quant_algo
     if quant.get("quant_algo") != want_algo:
         problems.append(f"quant_algo is {quant.get('quant_algo')!r}, spec asks {want_algo!r}")
-    want_kv = "FP8" if spec.kv_cache == "fp8" else None
+    want_kv = KV_CACHES[spec.kv_cache].quant_algo
     if quant.get("kv_cache_quant_algo") != want_kv:
         problems.append(f"kv_cache_quant_algo is {quant.get('kv_cache_quant_algo')!r}, spec asks {want_kv!r}")
     for name, value in spec.batch_profile.limits().items():
@@ -135,12 +132,13 @@ def check_engine_config(config: dict, spec: BuildSpec) -> list[str]:
     if plugins.get("paged_kv_cache") is False or kv_type != "PAGED":
         problems.append(f"the KV cache is not paged (kv_cache_type {build.get('kv_cache_type')!r}, "
                         f"plugin_config.paged_kv_cache {plugins.get('paged_kv_cache')!r}); Kiln builds paged KV cache engines")
+    gemm = PRECISIONS[spec.precision].trtllm_gemm_plugin
     for name, value in expected_plugins(spec).items():
         if name == "paged_kv_cache":
             continue  # reported above, with kv_cache_type
         if plugins.get(name) != value:
-            why = {"gemm_plugin": f"an {spec.precision} engine uses the NVFP4 GEMM plugin"}.get(
-                name, "an FP8 KV cache is read by FP8 (paged) context FMHA")
+            why = {"gemm_plugin": f"an {spec.precision} engine uses the {gemm.upper()} GEMM plugin"}.get(
+                name, KV_CACHES[spec.kv_cache].trtllm_plugins_why)
             problems.append(f"plugin_config.{name} is {plugins.get(name)!r}, expected {value!r} ({why})")
     if build.get("gather_context_logits"):
         problems.append("build_config.gather_context_logits is on; Kiln ships engines without it "
@@ -251,7 +249,7 @@ class TRTLLMBackend(Backend):
             "profile": p.model_dump(), "precision": spec.precision, "kv_cache": spec.kv_cache,
             "tp_size": spec.tp_size, "target": spec.target,
             "quantization": {"quant_algo": RECIPES[spec.rungs[0]].quant_algo,
-                             "kv_cache_quant_algo": "FP8" if spec.kv_cache == "fp8" else None},
+                             "kv_cache_quant_algo": KV_CACHES[spec.kv_cache].quant_algo},
             "plugins": dict(plugin_flags(spec)),
             "steps": [
                 f"check: TensorRT-LLM installed, ≥ {spec.tp_size} visible {spec.target} GPU(s) (NVML)",

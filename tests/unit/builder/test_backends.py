@@ -16,6 +16,7 @@ from builder.backends.aot_inductor import AOTInductorBackend
 from builder.backends.checkpoint import CheckpointBackend
 from builder.backends.trtllm import TRTLLMBackend, build_argv, check_engine_config
 from kiln.errors import SpecError, StageFailed, ToolchainMissing
+from kiln.precisions import PRECISIONS
 from kiln.spec import PROFILES, parse_spec
 
 REPO = Path(__file__).resolve().parents[3]
@@ -65,7 +66,7 @@ def test_build_argv_for_every_named_profile(profile, precision, gemm):
     ]
 
 
-@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_fp8_kv_cache_enables_paged_fp8_context_fmha(precision):
     argv = build_argv(spec(precision=precision, kv_cache="fp8", profile="balanced"), CKPT_DIR, OUT_DIR)
     plain = build_argv(spec(precision=precision, profile="balanced"), CKPT_DIR, OUT_DIR)
@@ -314,6 +315,20 @@ def test_the_aot_inductor_engine_computes_in_the_checkpoints_dtype_on_gpu_target
     from builder.backends.aot_inductor import compute_dtype
 
     assert compute_dtype(target, config) == getattr(torch, expected)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_the_ladder_screens_a_rung_in_the_dtype_its_backends_engine_computes_in(backend, tmp_path):
+    """The aot-inductor engine computes a bf16 checkpoint in bf16 on a GPU target; the others compute in float32
+    (the checkpoint runner's), whatever the checkpoint."""
+    import torch
+
+    from builder.ladder import screen_dtype
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    want = torch.bfloat16 if backend == "aot-inductor" else torch.float32
+    assert screen_dtype(spec(backend=backend, target="sm90"), tmp_path) == want
 
 
 @pytest.mark.parametrize("cpu,config,expected", [

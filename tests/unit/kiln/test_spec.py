@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from kiln.backends import BACKENDS
 from kiln.errors import SpecError
+from kiln.kvcache import KV_CACHES
 from kiln.spec import LIMITS, MODEL_NAME_RE, PROFILES, BatchProfile, BuildSpec, parse_spec
 
 REPO = Path(__file__).resolve().parents[3]
@@ -144,21 +146,28 @@ def test_tp_size_not_power_of_two_is_refused(tp):
     assert "power of two" in err.message
 
 
-@pytest.mark.parametrize("backend", ["aot-inductor", "checkpoint"])
+@pytest.mark.parametrize("backend", [b.name for b in BACKENDS.values() if not b.tensor_parallel])
 def test_tensor_parallel_only_for_trtllm(backend):
     err = refuse(backend=backend, tp_size=2)
     assert err.field == "tp_size"
     assert backend in err.message
 
 
-def test_fp8_kv_cache_with_aot_inductor_is_refused():
-    err = refuse(kv_cache="fp8", backend="aot-inductor")
-    assert err.field == "kv_cache"
+QUANTIZED_KV = [k.name for k in KV_CACHES.values() if k.quantized]
 
 
-@pytest.mark.parametrize("backend, target", [("checkpoint", "cpu"), ("trtllm-engine", "sm90")])
-def test_fp8_kv_cache_accepted_where_there_is_a_kv_cache(backend, target):
-    assert parse_spec(spec_data(kv_cache="fp8", backend=backend, target=target), ROOTS).kv_cache == "fp8"
+@pytest.mark.parametrize("kv_cache", QUANTIZED_KV)
+@pytest.mark.parametrize("backend", [b.name for b in BACKENDS.values() if not b.kv_cache_quant])
+def test_fp8_kv_cache_with_aot_inductor_is_refused(kv_cache, backend):
+    err = refuse(kv_cache=kv_cache, backend=backend)
+    assert err.field == "kv_cache" and backend in err.message
+
+
+@pytest.mark.parametrize("kv_cache", QUANTIZED_KV)
+@pytest.mark.parametrize("backend, target", [(b.name, "sm90" if b.gpu_only else "cpu") for b in BACKENDS.values()
+                                             if b.kv_cache_quant])
+def test_fp8_kv_cache_accepted_where_there_is_a_kv_cache(kv_cache, backend, target):
+    assert parse_spec(spec_data(kv_cache=kv_cache, backend=backend, target=target), ROOTS).kv_cache == kv_cache
 
 
 # -- batch profile ---------------------------------------------------------------------------------

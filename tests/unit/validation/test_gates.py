@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from kiln.precisions import PRECISIONS
 from validation.gates import DEFAULT_GATES, TASK_GATE, effective_gates, evaluate
 
 GATE_NAMES = ("max_ppl_increase_pct", "min_top1_agreement", "max_mean_kl", TASK_GATE, "min_throughput_tps")
@@ -22,7 +23,7 @@ def by_name(verdicts):
 
 
 def test_default_gates_cover_every_gate_and_fp8_is_tighter():
-    for precision in ("fp8", "nvfp4"):
+    for precision in PRECISIONS:
         assert set(DEFAULT_GATES[precision]) == set(GATE_NAMES)
     fp8, nvfp4 = DEFAULT_GATES["fp8"], DEFAULT_GATES["nvfp4"]
     assert fp8["max_ppl_increase_pct"] < nvfp4["max_ppl_increase_pct"]
