@@ -27,7 +27,7 @@ from api.deps import SessionDep, SettingsDep
 from api.errors import database_unavailable, error_response
 from kiln import errors as e
 from kiln.errors import SpecError
-from kiln.models import ApiToken, utcnow
+from kiln.tables import ApiToken, utcnow
 
 SCOPES = ("artifacts:read", "builds:write", "admin")
 IMPLIES = {"admin": set(SCOPES), "builds:write": {"builds:write", "artifacts:read"}, "artifacts:read": {"artifacts:read"}}

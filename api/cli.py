@@ -300,7 +300,7 @@ def artifacts_list(as_json: bool) -> None:
     """Every engine in the local index, oldest first: digest, repository:tag, status, backend."""
     from sqlalchemy import select
 
-    from kiln.models import Artifact
+    from kiln.tables import Artifact
 
     _, _, sessions = _context()
     with sessions() as s:
@@ -332,7 +332,7 @@ def artifacts_show(digest: str) -> None:
 def pull(ref: str, dest: Path, server: str | None, as_json: bool, verify_key: str | None) -> None:
     """Pull engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag) into DEST, verifying every blob against its digest; its signature
     is written beside the files as DEST/model.sig (model_signing verify key checks it offline)."""
-    from builder.verify import keys_from
+    from artifacts.verify import keys_from
 
     keys = keys_from(verify_key) if verify_key else None  # a bad key file is refused before any download
     if server:
@@ -353,7 +353,7 @@ def pull(ref: str, dest: Path, server: str | None, as_json: bool, verify_key: st
             "" if got.signed else "; unsigned: no model.sig")
         click.echo(f"pulled {got.repository}@{got.digest} from {server} into {dest}{note}{signed}")
         return
-    from builder.verify import pull_local
+    from artifacts.verify import pull_local
 
     _, store, sessions = _context()
     row = _find_artifact(sessions, ref)

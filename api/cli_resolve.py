@@ -16,7 +16,7 @@ from kiln.targets import GPU_ARCHS
 
 def _resolve_local(query: dict) -> dict:
     from workers.replicas import replica_reference
-    from workers.resolution import resolve_engine
+    from api.resolution import resolve_engine
 
     registry = query.pop("registry", None)
     _, _, sessions = _context()

@@ -22,7 +22,7 @@ def verify(ref: str, key: str | None, server: str | None) -> None:
     """Verify engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag; with --server a
     [model@]digest): manifest digest, files against their signature, signed provenance
     and its subject. Exit 0 verified, 1 not verified (the reason on stderr), 2 bad input."""
-    from builder.verify import keys_from
+    from artifacts.verify import keys_from
 
     if server and not key:
         raise SpecError("a remote engine is verified against a key you hold, not one the server sends",
@@ -40,7 +40,7 @@ def verify(ref: str, key: str | None, server: str | None) -> None:
         else:
             from artifacts.oci import pull_image
             from artifacts.signing import trusted_keys
-            from builder.verify import stored_signatures, verify_engine
+            from artifacts.verify import stored_signatures, verify_engine
 
             keys = keys_from(key) if key else trusted_keys()
             _, store, sessions = _context()
@@ -89,7 +89,7 @@ def keys_resign(digests: tuple[str, ...], every: bool) -> None:
     from artifacts.oci import pull_image, read_manifest
     from artifacts.signing import configured_signer
     from builder.attest import SIGNATURE_KEY_ANNOTATION, SIGNED_TYPES, sign_engine
-    from kiln.models import Artifact, Referrer
+    from kiln.tables import Artifact, Referrer
 
     if not digests and not every:
         raise SpecError("name the engines to re-sign", field="digests", fix="give DIGEST… or --all")

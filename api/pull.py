@@ -13,7 +13,7 @@ they arrive (chunked or not), a descriptor over the bound (``KILN_PULL_MAX_BYTES
 its download, a blob is never read past its descriptor's size, a ``Content-Encoding`` is refused rather than
 inflated, and a sparse tar member is refused rather than expanded. The engine's signature bundle (a referrer) is
 written beside the files as ``model.sig``; with verify keys, nothing is written unless the files and the signed
-provenance verify (:mod:`builder.verify`).
+provenance verify (:mod:`artifacts.verify`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import httpx
 from artifacts.oci import MEDIA_TYPE_IMAGE_LAYER, MEDIA_TYPE_IMAGE_MANIFEST
 from artifacts.signing import BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE, SIGNATURE_FILE
 from artifacts.tarball import unpack_tar
-from builder.verify import verify_engine
+from artifacts.verify import verify_engine
 from kiln import errors as e
 from kiln.digests import parse_digest
 from kiln.errors import UnsafeLayer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.models import Artifact, Build
+from kiln.tables import Artifact, Build
 from kiln.spec import BuildSpec
 
 

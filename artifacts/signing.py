@@ -36,6 +36,8 @@ from kiln.errors import SignatureInvalid, SpecError
 SIGNATURE_FILE = "model.sig"  # where `kiln pull` writes the engine-files bundle, beside the files
 BUNDLE_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"  # the model_signing bundle, as a referrer
 IN_TOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"  # DSSE payloadType of an in-toto Statement
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"  # an in-toto Statement's _type
+SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"  # the predicateType of Kiln's provenance
 DSSE_TYPE = "application/vnd.dsse.envelope.v1+json"  # media type of a DSSE envelope layer
 KEY_FILE = "signing-key.pem"
 

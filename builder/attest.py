@@ -21,12 +21,11 @@ from typing import Any
 
 from artifacts.interfaces import BlobStore
 from artifacts.oci import MEDIA_TYPE_IMAGE_MANIFEST, descriptor, push_referrer
-from artifacts.signing import BUNDLE_TYPE, DSSE_TYPE, IN_TOTO_PAYLOAD_TYPE, SIGNATURE_FILE, Signer, dsse_sign
+from artifacts.signing import (BUNDLE_TYPE, DSSE_TYPE, IN_TOTO_PAYLOAD_TYPE, SIGNATURE_FILE, SLSA_PROVENANCE,
+                               STATEMENT_TYPE, Signer, dsse_sign)
 
 SIGNATURE_KEY_ANNOTATION = "dev.kiln.signature.key"
 SIGNED_TYPES = (BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE)
-STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
-SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "https://kiln.dev/engine-build/v1"
 
 

@@ -23,7 +23,7 @@ from sqlalchemy import delete, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from kiln.models import StageClaim
+from kiln.tables import StageClaim
 
 #: how long a claim lasts without renewal (its holder renews it every third of this)
 CLAIM_TTL_S = 60.0

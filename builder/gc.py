@@ -22,7 +22,7 @@ from artifacts.interfaces import BlobStore
 from artifacts.oci import read_manifest
 from builder.leases import absolve, condemn, leased_digests, purge_expired
 from kiln.errors import BlobUnknown
-from kiln.models import Artifact, Referrer, StageOutput, Tag
+from kiln.tables import Artifact, Referrer, StageOutput, Tag
 
 DEFAULT_GRACE = timedelta(hours=1)
 

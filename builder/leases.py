@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.interfaces import BlobInfo, BlobStore, Survey
 from kiln.digests import CHUNK, parse_digest
-from kiln.models import BlobLease
+from kiln.tables import BlobLease
 
 USE, SWEEP = "use", "sweep"
 #: How long a GC's claim on one blob lives: it deletes the blob right after claiming it, so a writer waits at most

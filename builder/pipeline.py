@@ -30,7 +30,7 @@ from kiln.datasets import load_text, task_path
 from kiln.errors import BuildCancelled, KilnError
 from kiln.families import family_of
 from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, reference_key, request_key
-from kiln.models import Artifact
+from kiln.tables import Artifact
 from kiln.progress import reporting
 from kiln.recipes import AUTO
 from kiln.settings import Settings

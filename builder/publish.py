@@ -17,7 +17,7 @@ from artifacts.signing import Signer, configured_signer
 from builder.attest import sign_engine
 from kiln.backends import BACKENDS, default_backend
 from kiln.errors import ArtifactUnknown
-from kiln.models import Artifact, Referrer, TrackedModel
+from kiln.tables import Artifact, Referrer, TrackedModel
 from kiln.sources import source_link
 from kiln.spec import BuildSpec
 from kiln.states import add_artifact, initial_artifact_status, move_artifact, name_engine

@@ -1,6 +1,6 @@
 """Copying a published engine, with its referrers, to a standard registry: ``kiln push`` (api/cli_push.py). The
 engine's index row says which referrers it has (provenance, validation report, signature, signed provenance);
-:mod:`artifacts.push` sends them. A push that succeeds is recorded (:class:`~kiln.models.Replica`): admission then
+:mod:`artifacts.push` sends them. A push that succeeds is recorded (:class:`~kiln.tables.Replica`): admission then
 judges ``host/repository@digest`` as this engine, and ``kiln resolve --registry`` prints it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from artifacts.interfaces import BlobStore
 from artifacts.push import PushResult, Registry, credentials_for, parse_destination, push_image, registry_host
 from kiln.errors import EngineRevoked, ValidationFailed
-from kiln.models import Artifact, Referrer, Replica, utcnow
+from kiln.tables import Artifact, Referrer, Replica, utcnow
 
 
 def referrers_of(session: Session, digest: str) -> list[str]:

@@ -46,7 +46,7 @@ from artifacts.interfaces import BlobStore
 from artifacts.tarball import STAGE_RECORD, ChunkReader, HashingReader, tar_chunks, unpack_tar
 from builder.claims import StageClaims
 from kiln.errors import BlobUnknown
-from kiln.models import StageOutput
+from kiln.tables import StageOutput
 
 log = logging.getLogger(__name__)
 

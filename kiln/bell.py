@@ -41,7 +41,7 @@ def install() -> None:
 
 
 def _notify_new_events(session: Session, _flush_context) -> None:
-    from kiln.models import BuildEvent
+    from kiln.tables import BuildEvent
 
     ids = {o.build_id for o in session.new if isinstance(o, BuildEvent)}
     if not ids:

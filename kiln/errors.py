@@ -178,7 +178,7 @@ class ManifestUnknown(KilnError):
     code = "manifest_unknown"
 
 
-# what ``resolve`` answers when no engine may be deployed (workers/resolution.py names them by code)
+# what ``resolve`` answers when no engine may be deployed (api/resolution.py names them by code)
 class NotBuilt(ArtifactUnknown):
     """No engine for the asked combination has been built."""
 

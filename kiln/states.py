@@ -27,7 +27,7 @@ from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
 from kiln.errors import InvalidTransition
-from kiln.models import TERMINAL, Artifact, Build, BuildEvent, EngineName, Tag, TagEvent, TrackedModel
+from kiln.tables import TERMINAL, Artifact, Build, BuildEvent, EngineName, Tag, TagEvent, TrackedModel
 
 BUILD_TRANSITIONS: dict[str, frozenset[str]] = {
     "queued": frozenset({"running", "cancelled", "failed"}),

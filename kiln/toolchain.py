@@ -173,7 +173,7 @@ def node_requirements(cpu: str) -> dict[str, str]:
     """The node labels a pod must select (nodeSelector, or a required node-affinity term) for a cpu engine built
     on ``cpu`` to load on its node: the architecture (``kubernetes.io/arch``) and, for what the engine's ``.so``
     was compiled to use beyond the baseline, node-feature-discovery's CPUID labels. Admission checks them
-    (workers/admission.py), so an AVX512 engine is never scheduled onto an AVX2 node to die there with SIGILL."""
+    (api/admission.py), so an AVX512 engine is never scheduled onto an AVX2 node to die there with SIGILL."""
     machine, level, features = parse_cpu(cpu)
     out = {"kubernetes.io/arch": NODE_ARCH[machine]} if machine in NODE_ARCH else {}
     flags = [NFD_FLAGS[level]] if level in NFD_FLAGS else []

@@ -74,7 +74,7 @@ def engine_counts(session: "Session") -> tuple[dict[tuple[str, str, str], dict[s
     of validated engines counted and of those whose provenance names no family (built before it was recorded)."""
     from sqlalchemy import select
 
-    from kiln.models import Artifact
+    from kiln.tables import Artifact
 
     counts: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     total = unattributed = 0

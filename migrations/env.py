@@ -6,7 +6,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, text
 
-from kiln.models import Base
+from kiln.tables import Base
 from kiln.settings import get_settings
 
 config = context.config

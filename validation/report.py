@@ -67,7 +67,7 @@ def report_document(digest: str, *, repository: str, tag: str, provenance: dict,
 
 
 def document_for_row(row) -> dict:
-    """The report of an :class:`kiln.models.Artifact` index row."""
+    """The report of an :class:`kiln.tables.Artifact` index row."""
     return report_document(row.digest, repository=row.repository, tag=row.tag, provenance=row.provenance,
                            validation=row.validation)
 

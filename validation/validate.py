@@ -188,7 +188,7 @@ def previous_engine(sessions, spec: BuildSpec, build_key: str, data: dict | None
     ``same_evaluation`` says whether it was evaluated on the same text (``data``) with the same settings."""
     from sqlalchemy import select
 
-    from kiln.models import Artifact
+    from kiln.tables import Artifact
 
     with sessions() as session:
         rows = session.scalars(
@@ -224,7 +224,7 @@ def judge_naming(sessions, spec: BuildSpec, data: dict | None, engine, gates: di
     its stored metrics are held to the regression gates against that repository's own previous engine, as a
     build there would be. ``ValidationFailed`` (and it is not named) when a gate fails; nothing to judge when it
     is named there already (a repeated request)."""
-    from kiln.models import EngineName
+    from kiln.tables import EngineName
 
     with sessions() as session:
         if session.get(EngineName, (spec.model_name, engine.digest)) is not None:

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.orm.util import identity_key
 
-from kiln.models import Build
+from kiln.tables import Build
 
 log = logging.getLogger(__name__)
 

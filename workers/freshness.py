@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from builder.resolve import latest_revision
 from kiln.errors import SpecError
-from kiln.models import Artifact, ModelEvent, Tag, TrackedModel, utcnow
+from kiln.tables import Artifact, ModelEvent, Tag, TrackedModel, utcnow
 from kiln.settings import Settings
 from kiln.sources import TRACKED, tracked_parts
 from kiln.spec import MODEL_NAME_RE, parse_spec

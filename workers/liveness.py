@@ -11,7 +11,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from kiln.models import Worker
+from kiln.tables import Worker
 
 import os
 

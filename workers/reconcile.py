@@ -17,7 +17,7 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from kiln.models import Build, Worker
+from kiln.tables import Build, Worker
 from kiln.states import move_build_if_unchanged
 from workers.enqueue import Enqueue, Send, send_after_commit
 from workers.liveness import is_live

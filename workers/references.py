@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from kiln.digests import DIGEST_RE
 from kiln.errors import ArtifactUnknown, InvalidDigest
-from kiln.models import Artifact, EngineName, Tag
+from kiln.tables import Artifact, EngineName, Tag
 
 MIN_PREFIX = 8
 _PREFIX = re.compile(r"(?:sha256:)?([0-9a-f]{%d,64})" % MIN_PREFIX)

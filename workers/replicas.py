@@ -1,4 +1,4 @@
-"""Engines in other registries (:class:`~kiln.models.Replica`, recorded by ``kiln push`` and ``KILN_REPLICATE_TO``):
+"""Engines in other registries (:class:`~kiln.tables.Replica`, recorded by ``kiln push`` and ``KILN_REPLICATE_TO``):
 what the admission webhook reads about a reference to a registry that is not this one, and which copy
 ``kiln resolve --registry`` prints.
 
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from artifacts.push import REPOSITORY_RE, parse_destination, registry_host
 from kiln.errors import ArtifactUnknown, NameInvalid
-from kiln.models import Artifact, Replica
+from kiln.tables import Artifact, Replica
 
 PLACE_FIX = "write host[:port][/path], comma separated, e.g. registry.example.com/team/engines,localhost:5000"
 

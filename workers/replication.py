@@ -15,7 +15,7 @@ from artifacts.interfaces import BlobStore
 from artifacts.push import parse_destination
 from builder.replicate import push_engine
 from kiln.errors import KilnError
-from kiln.models import Artifact, BuildEvent
+from kiln.tables import Artifact, BuildEvent
 from kiln.settings import Settings
 
 log = logging.getLogger(__name__)

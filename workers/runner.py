@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from builder.pipeline import STAGES, Builder
 from kiln.errors import BuildCancelled, KilnError, StorageUnavailable
-from kiln.models import TERMINAL, Build, BuildEvent
+from kiln.tables import TERMINAL, Build, BuildEvent
 from kiln.settings import Settings
 from kiln.spec import parse_spec
 from kiln.states import move_build, move_build_if_unchanged
@@ -86,7 +86,7 @@ def after_storage_error(sessions, build_id: str, exc: StorageUnavailable, *, las
 
 
 def _alive(session: Session, name: str) -> bool:
-    from kiln.models import Worker
+    from kiln.tables import Worker
     from workers.liveness import is_live
 
     w = session.get(Worker, name)

@@ -16,7 +16,7 @@ from builder.publish import name_in_repository
 from kiln.digests import sha256_json
 from kiln.keys import build_key
 from kiln.errors import SpecError
-from kiln.models import Artifact, Build, TrackedModel, Worker
+from kiln.tables import Artifact, Build, TrackedModel, Worker
 from kiln.settings import Settings
 from kiln.spec import BuildSpec, looser_than, parse_spec
 from kiln.states import create_build

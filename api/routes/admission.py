@@ -1,5 +1,5 @@
 """/v1/admission/validate: a Kubernetes validating admission webhook (admission.k8s.io/v1) that refuses pods
-running engines Kiln would not serve — the decision is workers/admission.py's; see docs/admission.md."""
+running engines Kiln would not serve — the decision is api/admission.py's; see docs/admission.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.routes.keys import trusted_fingerprints
 from kiln.errors import SpecError
-from workers.admission import engine_facts, registry_hosts, review
+from api.admission import engine_facts, registry_hosts, review
 from workers.replicas import replica_facts, trusted_registries
 
 router = APIRouter(tags=["admission"])

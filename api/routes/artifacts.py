@@ -13,7 +13,7 @@ from kiln.states import move_artifact
 from api.schemas import artifact_read
 from kiln.digests import parse_digest
 from kiln.errors import ArtifactUnknown
-from kiln.models import Artifact, EngineName
+from kiln.tables import Artifact, EngineName
 
 router = APIRouter(prefix="/v1/artifacts", tags=["artifacts"])
 
@@ -44,7 +44,7 @@ def get_artifact(digest: str, session: SessionDep, request: Request):
     if row is None:
         raise ArtifactUnknown(f"no engine {digest}", field="digest", fix="list engines with GET /v1/artifacts")
     from api.routes.keys import trusted_fingerprints
-    from workers.admission import signature_summary
+    from api.admission import signature_summary
 
     return {**artifact_read(row),
             "signature": signature_summary(session, row.digest, trusted_fingerprints(request.app))}

@@ -13,7 +13,7 @@ from api.bodies import SafeJSONResponse as JSONResponse  # a bad stored float is
 from api.deps import SessionDep, SessionsDep, SettingsDep
 from api.schemas import artifact_answer, build_read
 from kiln.errors import BuildUnknown
-from kiln.models import TERMINAL, Build, BuildEvent
+from kiln.tables import TERMINAL, Build, BuildEvent
 from kiln.document import document_schema, is_matrix, parse_document
 from kiln.states import request_cancel
 from workers.liveness import waiting_reason

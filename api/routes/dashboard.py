@@ -18,11 +18,11 @@ from api.deps import SessionDep
 from kiln import units
 from kiln.digests import parse_digest
 from kiln.errors import ArtifactUnknown, SpecError
-from kiln.models import Artifact, EngineName, Tag
+from kiln.tables import Artifact, EngineName, Tag
 from kiln.spec import PROFILES
 from validation import fit as fitting
 from validation.report import REPORT_CSP, document_for_row, render_html
-from workers.resolution import servable_grid
+from api.resolution import servable_grid
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 router = APIRouter(tags=["dashboard"])
@@ -96,7 +96,7 @@ def model_trend(session: SessionDep, model: str = Query(..., min_length=1, max_l
 def grid(session: SessionDep, model: str | None = Query(None, min_length=1, max_length=255)):
     """What is servable now: per model, a precision × target grid whose every cell holds, for each variant
     (profile, backend) asked for or built, the engine ``GET /v1/resolve`` answers, or its code and reason for
-    none (workers/resolution.py's servable_grid)."""
+    none (api/resolution.py's servable_grid)."""
     return {"models": servable_grid(session, model)}
 
 

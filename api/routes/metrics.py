@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from kiln.models import BUILD_STATES, TERMINAL, Artifact, Build, Worker
+from kiln.tables import BUILD_STATES, TERMINAL, Artifact, Build, Worker
 
 router = APIRouter(tags=["metrics"])
 

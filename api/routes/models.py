@@ -14,9 +14,9 @@ from api.deps import SessionDep, SessionsDep, SettingsDep
 from api.schemas import artifact_answer, build_read
 from kiln import errors as e
 from kiln.errors import SpecError
-from kiln.models import TrackedModel
+from kiln.tables import TrackedModel
 from workers.freshness import models_for_webhook, refresh_model, register_model, webhook_secret_ok
-from workers.resolution import Resolution, resolve_engine
+from api.resolution import Resolution, resolve_engine
 
 router = APIRouter(tags=["models"])
 MAX_WEBHOOK_BYTES = 1 << 20
@@ -115,7 +115,7 @@ async def resolve(request: Request, model: str = Query(..., max_length=255), pre
 
 def _resolve(app, registry: str | None, **query) -> tuple[Resolution, str | None]:
     from api.routes.keys import trusted_fingerprints
-    from workers.admission import signature_summary
+    from api.admission import signature_summary
     from workers.replicas import replica_reference
 
     with app.state.read_engine.connect() as conn:

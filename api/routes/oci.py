@@ -44,7 +44,7 @@ from artifacts.interfaces import BlobStore
 from artifacts.oci import MEDIA_TYPE_IMAGE_INDEX, MEDIA_TYPE_IMAGE_MANIFEST
 from kiln.digests import DIGEST_RE
 from kiln import errors as e
-from kiln.models import Artifact, EngineName, Referrer, Tag
+from kiln.tables import Artifact, EngineName, Referrer, Tag
 from kiln.states import named_in
 
 REDIRECT_BLOBS = False

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from sqlalchemy import select
 
 from api.deps import SessionDep
-from kiln.models import Worker
+from kiln.tables import Worker
 from workers.liveness import is_live
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])

@@ -258,7 +258,7 @@ def test_compare_page_shows_hostile_provenance_as_text(served, tmp_path):
     """Provenance is whatever a build's spec and toolchain said: a value with HTML in it is shown as text, in its
     cell, and becomes no element of the page."""
     from kiln import db
-    from kiln.models import Artifact
+    from kiln.tables import Artifact
 
     sessions = db.session_factory(f"sqlite:///{served.home / 'kiln.db'}")
     digest = "sha256:" + "e" * 64

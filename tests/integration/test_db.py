@@ -12,7 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from kiln import db
-from kiln.models import Base
+from kiln.tables import Base
 from scripts.devstack import PG, postgres_database
 
 
@@ -88,7 +88,7 @@ def test_a_transaction_adding_a_build_event_notifies_listeners_at_commit_only(pg
     from sqlalchemy.engine import make_url
 
     from kiln.bell import CHANNEL, Bell
-    from kiln.models import Build, BuildEvent
+    from kiln.tables import Build, BuildEvent
 
     sessions = db.session_factory(pg_url)
     ids = []

@@ -207,7 +207,7 @@ def test_replication_pushes_after_a_build_and_records_a_failure_without_raising(
     build's replication_failed event, and nothing is raised."""
     from sqlalchemy import select
 
-    from kiln.models import Artifact, Build, BuildEvent
+    from kiln.tables import Artifact, Build, BuildEvent
     from workers.replication import replicate
 
     path, digest, store, _ = home
@@ -276,7 +276,7 @@ def test_admission_and_resolve_accept_the_pushed_reference(registry, home):
     """After `kiln push` (and KILN_REPLICATE_TO), the webhook admits the engine by its digest in the registry it
     was pushed to, and refuses there a digest Kiln never published, a tag, and the engine in a repository Kiln did
     not push it to; `kiln resolve --registry` prints the pushed reference, which the registry serves."""
-    from kiln.models import Build
+    from kiln.tables import Build
     from workers.replication import replicate
 
     path, digest, store, _ = home

@@ -46,7 +46,7 @@ def test_the_wheel_carries_the_client_packages_with_the_full_installs_version(wh
     assert f"{info}/METADATA" in names and f"{info}/RECORD" in names
     assert wheel.read(f"{info}/entry_points.txt").decode() == "[console_scripts]\nkiln = api.cli:main\n"
     for module in ("api/cli.py", "api/remote.py", "api/pull.py", "api/cli_report.py", "kiln/install.py",
-                   "builder/verify.py", "artifacts/signing.py", "validation/report.py"):
+                   "artifacts/verify.py", "artifacts/signing.py", "validation/report.py"):
         assert module in names, module
     assert not [n for n in names if n.startswith(("workers/", "migrations/", "tests/", "api/static/"))
                 or "__pycache__" in n]

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.auth import bearer_or_basic, required_scope, token_hash
 from kiln import db
-from kiln.models import ApiToken
+from kiln.tables import ApiToken
 from kiln.settings import Settings
 
 BOOT = "kiln_bootstrap_for_auth_tests_0123456789abcdef"
@@ -166,7 +166,7 @@ def test_a_database_error_while_checking_a_token_is_503_naming_it(client):
 def test_a_token_with_a_scope_this_version_does_not_know_keeps_the_others(client):
     import uuid
 
-    from kiln.models import utcnow
+    from kiln.tables import utcnow
 
     with client.app.state.sessions() as s:  # e.g. written by a newer version
         s.add(ApiToken(id=uuid.uuid4().hex, name="old", token_sha256=token_hash("kiln_legacy"),
@@ -208,7 +208,7 @@ def test_tokens_are_stored_keyed_by_the_servers_secret_and_found_by_either_hash(
 def test_with_a_secret_the_bootstrap_and_new_tokens_are_stored_keyed_and_old_plain_rows_still_work(tmp_path):
     import uuid
 
-    from kiln.models import utcnow
+    from kiln.tables import utcnow
 
     client = app_for(tmp_path, auth="required", bootstrap_token=BOOT, token_secret="s3cret")
     made = make_token(client, "artifacts:read")
@@ -228,7 +228,7 @@ def test_a_bootstrap_row_minted_while_auth_was_off_is_the_operators_only_if_it_i
                                                                                              scopes, upgraded):
     import uuid
 
-    from kiln.models import utcnow
+    from kiln.tables import utcnow
 
     s_ = Settings(home=tmp_path / "home")
     db.upgrade(s_.db_url)
@@ -283,7 +283,7 @@ def test_an_expired_token_is_refused_like_an_unknown_one(client):
     import uuid
     from datetime import timedelta
 
-    from kiln.models import utcnow
+    from kiln.tables import utcnow
 
     with client.app.state.sessions() as s:
         for name, days in (("expired", -1), ("valid", 1)):

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from kiln import db
-from kiln.models import Build
+from kiln.tables import Build
 from kiln.settings import Settings
 
 

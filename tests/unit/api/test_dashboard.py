@@ -16,7 +16,7 @@ from api.app import create_app
 from api.cli import main
 from api.routes.dashboard import STATIC, svg_chart, throughput_series
 from kiln import db
-from kiln.models import Artifact, Tag
+from kiln.tables import Artifact, Tag
 from kiln.settings import Settings, get_settings
 from kiln.spec import PROFILES
 
@@ -345,7 +345,7 @@ def test_trend_lists_a_models_engines_oldest_first_with_the_indexed_metrics(app_
 
 
 def test_grid_cells_answer_what_resolve_answers(app_env):
-    from kiln.models import TrackedModel
+    from kiln.tables import TrackedModel
 
     client, sessions = app_env
     fresh = add_engine(sessions)  # fp8 cpu latency checkpoint: servable

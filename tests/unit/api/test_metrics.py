@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from api.routes.metrics import STAGE_BUCKETS, cache_hits, stage_histograms
 from kiln import db
-from kiln.models import Artifact, Build, Worker
+from kiln.tables import Artifact, Build, Worker
 from kiln.settings import Settings
 
 

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.cli import main
 from kiln import db
-from kiln.models import Artifact, Build
+from kiln.tables import Artifact, Build
 from kiln.settings import get_settings
 
 KEY = ("gemma2", "fp8", "trtllm-engine")  # supported by the tables; the suite never builds it

@@ -23,7 +23,7 @@ from builder.publish import PROVENANCE_TYPE, publish
 from kiln import db
 from kiln.digests import canonical_json, sha256_bytes
 from kiln.errors import ArtifactUnknown, DigestMismatch, InvalidDigest, KilnError, SpecError
-from kiln.models import Artifact, Referrer
+from kiln.tables import Artifact, Referrer
 from kiln.settings import Settings
 from kiln.spec import parse_spec
 

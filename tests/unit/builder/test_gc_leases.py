@@ -18,7 +18,7 @@ from builder import leases as leases_module
 from builder.leases import BlobLeases, LeasedStore, absolve, condemn
 from builder.publish import publish
 from kiln import db
-from kiln.models import Artifact, BlobLease, Referrer, StageOutput, utcnow
+from kiln.tables import Artifact, BlobLease, Referrer, StageOutput, utcnow
 from kiln.spec import parse_spec
 from tests.conftest import REPO, TINY
 

@@ -13,7 +13,7 @@ from artifacts.oci import read_manifest
 from builder.gc import plan_gc, run_gc
 from builder.publish import publish
 from kiln import db
-from kiln.models import Artifact, Referrer
+from kiln.tables import Artifact, Referrer
 from kiln.settings import Settings
 from kiln.spec import parse_spec
 from kiln.states import move_artifact
@@ -149,7 +149,7 @@ def test_a_sweep_reports_the_bytes_it_freed_and_a_plan_older_than_the_grace_peri
 
 def test_fsck_names_every_missing_blob_of_every_engine_and_stage_output(env):
     from builder.gc import missing_blobs
-    from kiln.models import StageOutput
+    from kiln.tables import StageOutput
 
     store, sessions, _ = env
     a, b = engine(env), engine(env)
@@ -169,7 +169,7 @@ def test_fsck_names_every_missing_blob_of_every_engine_and_stage_output(env):
 def test_stage_outputs_a_fresh_or_tagged_engine_was_built_from_are_kept_the_others_go_after_the_grace_period(env):
     from datetime import datetime, timezone
 
-    from kiln.models import StageOutput
+    from kiln.tables import StageOutput
 
     store, sessions, _ = env
     k = {name: f"sha256:{i:064x}" for i, name in enumerate(["q_old", "c_old", "q_new", "c_new", "q_stale", "c_stale"])}

@@ -146,7 +146,7 @@ def published(registry, tmp_path, *, build_key: str, model: str = "acme/tiny", r
 def test_publish_indexes_the_engine_its_tag_and_every_referrer_exactly(registry, tmp_path):
     from artifacts.signing import BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE
     from builder.publish import PROVENANCE_TYPE
-    from kiln.models import Artifact, Referrer, Tag, TagEvent
+    from kiln.tables import Artifact, Referrer, Tag, TagEvent
     from validation.report import REPORT_TYPE
 
     store, sessions = registry
@@ -211,7 +211,7 @@ def test_publish_uploads_the_layer_a_build_surveyed_beforehand_without_reading_i
 
 
 def test_a_rejected_or_stale_engine_is_indexed_untagged_with_its_reason(registry, tmp_path):
-    from kiln.models import Artifact, Tag, TrackedModel, utcnow
+    from kiln.tables import Artifact, Tag, TrackedModel, utcnow
 
     store, sessions = registry
     gates = [{"name": "perplexity", "value": 30.0, "threshold": 20.0, "passed": False}]
@@ -230,7 +230,7 @@ def test_a_rejected_or_stale_engine_is_indexed_untagged_with_its_reason(registry
 
 
 def test_a_key_published_first_answers_in_its_repository_and_is_named_in_another(registry, tmp_path):
-    from kiln.models import Artifact, EngineName, Referrer
+    from kiln.tables import Artifact, EngineName, Referrer
 
     store, sessions = registry
     first, *_ = published(registry, tmp_path, build_key=sha(b"k"))

@@ -27,10 +27,10 @@ from artifacts.signing import (BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE, SIGNATURE_FILE
                                pae)
 from builder.attest import SIGNATURE_KEY_ANNOTATION
 from builder.publish import publish
-from builder.verify import keys_from, pull_local
+from artifacts.verify import keys_from, pull_local
 from kiln import db
 from kiln.digests import sha256_bytes
-from kiln.models import Artifact, Referrer
+from kiln.tables import Artifact, Referrer
 from kiln.settings import Settings
 from kiln.spec import parse_spec
 

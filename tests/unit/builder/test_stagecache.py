@@ -18,7 +18,7 @@ from artifacts.local import LocalBlobStore
 from artifacts.paths import blob_path
 from builder.stagecache import StageCache
 from kiln import db
-from kiln.models import StageOutput
+from kiln.tables import StageOutput
 from tests.conftest import REPO
 
 KEY_A, KEY_B, KEY_C = (f"sha256:{c * 64}" for c in "abc")
@@ -229,7 +229,7 @@ def test_builds_needing_one_output_at_once_on_several_workers_produce_it_once(tm
     trees = [files(path) for path, _ in results.values()]
     assert trees[0] == trees[1] == trees[2]
     with shared[0]() as s:
-        from kiln.models import StageClaim
+        from kiln.tables import StageClaim
         assert s.scalars(select(StageClaim)).all() == []  # released after the production
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from kiln import db
 from kiln.bell import Bell
-from kiln.models import Build, BuildEvent
+from kiln.tables import Build, BuildEvent
 
 
 @pytest.fixture

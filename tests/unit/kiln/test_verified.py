@@ -11,7 +11,7 @@ import pytest
 from kiln import db
 from kiln.backends import BACKENDS, support_matrix
 from kiln.families import FAMILIES
-from kiln.models import Artifact
+from kiln.tables import Artifact
 from kiln.settings import Settings
 from kiln.verified import SUITE, SUITE_NVFP4_AOT, engine_counts, support_report, verified
 from tests.families import FAMILY_CONFIGS

@@ -12,7 +12,7 @@ import pytest
 from kiln import db
 from kiln.errors import SpecError
 from kiln.keys import build_key, request_key
-from kiln.models import Artifact
+from kiln.tables import Artifact
 from kiln.spec import GATE_NAMES, REGRESSION_GATE_NAMES, parse_spec
 from validation.gates import (DEFAULT_GATES, GPU_MEMORY_BUDGETS, MEMORY_GATE, REGRESSION_DEFAULTS, REGRESSION_GATES,
                               evaluate, judged_gates, memory_budget, physical_memory_bytes, regression)

@@ -21,7 +21,7 @@ from kiln import db
 from kiln.errors import InvalidTransition, StorageUnavailable
 from kiln.digests import sha256_json
 from kiln.keys import build_key
-from kiln.models import Artifact, Build, BuildEvent, Tag, TagEvent, Worker
+from kiln.tables import Artifact, Build, BuildEvent, Tag, TagEvent, Worker
 from kiln.settings import Settings
 from kiln.spec import parse_spec
 from kiln.states import move_artifact, move_build, move_build_if_unchanged, point_tag, request_cancel
@@ -681,7 +681,7 @@ def test_dedupe_uses_the_toolchains_of_known_workers_when_none_is_live_and_answe
 
 def test_a_tracked_models_gates_and_each_matrix_entry_are_the_baseline(env):
     from kiln.errors import SpecError
-    from kiln.models import TrackedModel
+    from kiln.tables import TrackedModel
 
     settings, sessions, broker = env
     other = {"precision": "fp8", "target": "cpu", "backend": "aot-inductor", "profile": "throughput"}

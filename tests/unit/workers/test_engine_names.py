@@ -16,11 +16,11 @@ from sqlalchemy import func, select
 
 from api.app import create_app
 from kiln.errors import SpecError
-from kiln.models import Artifact, Build, EngineName, Tag, TrackedModel
+from kiln.tables import Artifact, Build, EngineName, Tag, TrackedModel
 from kiln.states import move_artifact
 from tests.unit.workers.test_build_states import CPU, Broker, env, prepared, publish_for, spec_of  # noqa: F401
 from workers.freshness import mark_stale
-from workers.resolution import resolve_engine
+from api.resolution import resolve_engine
 from workers.submit import submit
 
 A = "other/tiny"

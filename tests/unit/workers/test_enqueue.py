@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kiln import db
-from kiln.models import Build
+from kiln.tables import Build
 from kiln.states import create_build
 from workers.enqueue import send_after_commit
 

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from kiln.errors import ArtifactUnknown, SpecError
-from kiln.models import Artifact, Build, Tag, TrackedModel
+from kiln.tables import Artifact, Build, Tag, TrackedModel
 from tests import hubcache
 from tests.unit.workers.test_build_states import CPU, Broker, env, prepared, publish_for, spec_of  # noqa: F401
 from workers.freshness import (mark_stale, models_for_webhook, refresh_model, register_model,
@@ -273,7 +273,7 @@ def test_a_tracked_checkpoint_must_be_a_hub_branch(ref):
 def test_re_registering_with_looser_gates_needs_a_reason_recorded_with_the_models_history(env, hub):
     """A PUT with looser matrix gates than the stored matrix was accepted without a reason: the matrix a build of
     the model is judged against could be loosened on a write token's say alone."""
-    from kiln.models import ModelEvent
+    from kiln.tables import ModelEvent
 
     settings, sessions, broker = env
     strict = {**ENTRY, "gates": {"max_ppl_increase_pct": 1.0}}

@@ -7,7 +7,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from kiln.errors import ArtifactUnknown, InvalidDigest
-from kiln.models import Artifact, Base, EngineName, Tag
+from kiln.tables import Artifact, Base, EngineName, Tag
 from workers.references import find_engine
 
 A = "sha256:" + "ab12cd34" + "0" * 56

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from artifacts.push import Destination, PushResult, registry_host
 from kiln.errors import ArtifactUnknown, NameInvalid
 from tests.unit.workers.test_admission import UID, index_app, pod_create, publish_engine
-from workers.admission import EngineFacts, review
+from api.admission import EngineFacts, review
 from workers.replicas import Place, ReplicaFacts, parse_place, trusted_registries
 
 HOST = "kiln.internal:8000"  # Kiln's own registry
@@ -147,7 +147,7 @@ def record(app, engine, dest: str, model: str | None = None) -> None:
 
 
 def test_the_index_records_replicas_and_answers_their_facts(tmp_path):
-    from kiln.models import Replica
+    from kiln.tables import Replica
     from workers.replicas import replica_facts
 
     app = index_app()
@@ -167,7 +167,7 @@ def test_the_index_records_replicas_and_answers_their_facts(tmp_path):
 
 def test_the_webhook_admits_recorded_and_trusted_copies(tmp_path, monkeypatch):
     from api.app import create_app
-    from kiln.models import TrackedModel
+    from kiln.tables import TrackedModel
     from kiln.settings import Settings
 
     app = index_app()

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import func, select
 
 from kiln.errors import StageFailed, StorageUnavailable
-from kiln.models import Artifact, Build, BuildEvent, StageOutput
+from kiln.tables import Artifact, Build, BuildEvent, StageOutput
 from kiln.states import move_build_if_unchanged, request_cancel
 from tests.unit.workers.test_build_states import (CPU, Broker, add_worker, env, prepared, row,  # noqa: F401
                                                   spec_of, statuses)
@@ -173,7 +173,7 @@ def test_the_reconciler_goes_on_past_a_build_it_leaves_alone(env):
 
 # -- the worker registry ------------------------------------------------------------------------------------------
 def test_the_registry_registers_beats_and_says_who_serves_a_queue(env):
-    from kiln.models import Worker
+    from kiln.tables import Worker
     from workers import liveness as registry
 
     settings, sessions, _ = env

@@ -24,7 +24,7 @@ class Artifact(Base):
     head), revoked (withdrawn by an operator), rejected (failed validation; kept for inspection only)."""
 
     __tablename__ = "artifacts"
-    # resolve's lookup: one variant of one model (workers/resolution.py)
+    # resolve's lookup: one variant of one model (api/resolution.py)
     __table_args__ = (Index("ix_artifacts_variant", "repository", "precision", "target", "profile", "backend"),)
 
     digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)

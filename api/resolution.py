@@ -10,7 +10,7 @@ from sqlalchemy import Connection, and_, bindparam, case, literal, select, true,
 from sqlalchemy.orm import Session
 
 from kiln.errors import ArtifactUnknown, SpecError, by_code
-from kiln.models import Artifact, Build, EngineName, TrackedModel
+from kiln.tables import Artifact, Build, EngineName, TrackedModel
 from kiln.spec import BACKENDS, PRECISIONS
 from kiln.targets import normalize_target
 from kiln.toolchain import cpu_incompatibility

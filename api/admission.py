@@ -44,7 +44,7 @@ from sqlalchemy.orm import Session
 from artifacts.push import registry_host
 from builder.attest import SIGNATURE_KEY_ANNOTATION, SIGNED_TYPES
 from kiln.backends import BACKENDS
-from kiln.models import Artifact, Referrer, Tag, TrackedModel
+from kiln.tables import Artifact, Referrer, Tag, TrackedModel
 from kiln.targets import PRODUCT_LABEL, SM_LABEL, sm_of_product
 from kiln.toolchain import node_requirements
 from workers.replicas import Place, ReplicaFacts

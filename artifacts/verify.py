@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from artifacts.signing import (IN_TOTO_PAYLOAD_TYPE, bundle_key_hint, dsse_verify, load_public_keys, fingerprint,
-                               verify_files)
-from builder.attest import SLSA_PROVENANCE, STATEMENT_TYPE
+from artifacts.signing import (IN_TOTO_PAYLOAD_TYPE, SLSA_PROVENANCE, STATEMENT_TYPE, bundle_key_hint,
+                               dsse_verify, load_public_keys, fingerprint, verify_files)
 from kiln.errors import SignatureInvalid
 
 
@@ -94,7 +93,7 @@ def stored_signatures(store, session, digest: str) -> tuple[list[bytes], list[by
 
     from artifacts.oci import read_manifest
     from artifacts.signing import BUNDLE_TYPE
-    from kiln.models import Referrer
+    from kiln.tables import Referrer
 
     out: dict[str, list[bytes]] = {BUNDLE_TYPE: [], IN_TOTO_PAYLOAD_TYPE: []}
     rows = session.scalars(select(Referrer).where(Referrer.subject == digest,

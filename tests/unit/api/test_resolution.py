@@ -20,11 +20,11 @@ from artifacts.oci import read_manifest
 from builder.publish import publish as real_publish
 from kiln import db
 from kiln.errors import SpecError
-from kiln.models import Artifact, Tag, TrackedModel, utcnow
+from kiln.tables import Artifact, Tag, TrackedModel, utcnow
 from kiln.settings import Settings
 from kiln.spec import parse_spec
 from workers.freshness import mark_stale
-from workers.resolution import Servable, incompatibility, parse_runtime, resolve_engine
+from api.resolution import Servable, incompatibility, parse_runtime, resolve_engine
 
 MODEL = "acme/tiny"
 SLOTS = [("fp8", "latency", "cpu", "aot-inductor"), ("nvfp4", "latency", "sm100", "trtllm-engine")]
@@ -268,7 +268,7 @@ def test_resolve_answers_its_own_variant_only_the_newest_engine(tmp_path):
 def add_build(s, slot, status: str, *, model: str = MODEL) -> str:
     import uuid
 
-    from kiln.models import Build
+    from kiln.tables import Build
 
     precision, profile, target, backend = slot
     bid = uuid.uuid4().hex

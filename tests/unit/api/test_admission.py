@@ -1,4 +1,4 @@
-"""The admission decision (workers/admission.py), one test per verdict, with AdmissionReview payloads shaped as
+"""The admission decision (api/admission.py), one test per verdict, with AdmissionReview payloads shaped as
 the Kubernetes API server sends them; then the webhook end to end (api/routes/admission.py) over published,
 signed engines in a real database."""
 
@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kiln.targets import sm_of_product
-from workers.admission import EngineFacts, asked_sms, parse_reference, registry_host, registry_hosts, review
+from api.admission import EngineFacts, asked_sms, parse_reference, registry_host, registry_hosts, review
 
 HOST = "kiln.internal:8000"
 D_FRESH, D_STALE, D_REVOKED, D_REJECTED, D_UNSIGNED, D_OTHER_KEY, D_SM100 = (
@@ -246,7 +246,7 @@ def publish_engine(app, tmp_path, seed: str, *, model: str = "acme/tiny", target
 
 def test_webhook_over_published_engines(tmp_path, monkeypatch):
     from api.app import create_app
-    from kiln.models import Artifact, Referrer, TrackedModel
+    from kiln.tables import Artifact, Referrer, TrackedModel
     from kiln.settings import Settings
 
     app = index_app()
@@ -366,7 +366,7 @@ def test_every_verdict_from_the_index_facts(tmp_path, monkeypatch):
     """engine_facts reads each verdict's fact from the real index: a revoke through the route (its reason comes
     back), a rejected engine (its reason), an unknown digest, the target against the pod's GPU, a head the
     engine was not built from, and with tags allowed a tag resolved in its own repository only."""
-    from kiln.models import Artifact, TrackedModel
+    from kiln.tables import Artifact, TrackedModel
     from kiln.settings import Settings
 
     monkeypatch.setenv("KILN_ADMISSION_ALLOW_TAGS", "true")
@@ -463,8 +463,8 @@ def test_the_exact_words_of_each_denial():
 
 def test_signature_summary_is_per_engine_and_names_the_trusted_key_first(tmp_path):
     from builder.attest import SIGNED_TYPES
-    from kiln.models import Referrer
-    from workers.admission import signature_summary
+    from kiln.tables import Referrer
+    from api.admission import signature_summary
 
     app = index_app()
     signed, stripped = (publish_engine(app, tmp_path, seed, model=f"acme/{seed}", target="cpu", revision=None)
@@ -526,7 +526,7 @@ def test_the_review_envelope_operations_and_every_reference_judged():
 def test_staleness_is_judged_by_the_head_of_the_repository_the_pod_names(tmp_path):
     """As resolve does: an engine B published, named through repository A, is stale for A once it is not A's head,
     whatever B's head says. Before, admission read the publisher's (B's) tracked head only."""
-    from kiln.models import TrackedModel
+    from kiln.tables import TrackedModel
 
     app = index_app()
     client = TestClient(app, base_url=f"http://{HOST}")
@@ -591,7 +591,7 @@ def test_a_cpu_engine_is_admitted_only_where_the_pod_requires_nodes_that_can_loa
 
 
 def test_the_index_gives_admission_the_cpu_of_a_native_cpu_engine_only(tmp_path):
-    from workers.admission import ImageRef, engine_facts
+    from api.admission import ImageRef, engine_facts
 
     app = index_app()
     native = publish_engine(app, tmp_path, "native", target="cpu", backend="aot-inductor", toolchain={"cpu": AMX})
