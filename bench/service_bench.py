@@ -75,10 +75,14 @@ def seed(url: str, n: int) -> None:
 
     engine = sa.create_engine(url)
     rows, models = [], []
-    precisions, targets, profiles = ["fp8", "nvfp4"], ["cpu", "sm89", "sm90", "sm100", "sm120"], ["latency", "balanced", "throughput"]
+    from kiln.precisions import PRECISIONS
+    from kiln.targets import CPU, TARGETS
+
+    precisions, targets, profiles = list(PRECISIONS), [CPU, *TARGETS], ["latency", "balanced", "throughput"]
     for i in range(n):
         model = f"bench/model-{i // 100}"
-        p, t, pr = precisions[i % 2], targets[(i // 2) % 5], profiles[(i // 10) % 3]
+        np_, nt = len(precisions), len(targets)
+        p, t, pr = precisions[i % np_], targets[(i // np_) % nt], profiles[(i // (np_ * nt)) % 3]
         rev = "head" if (i // 30) % 3 == 0 else f"old-{i % 7}"
         rows.append({"digest": f"sha256:{i:064x}", "build_key": f"sha256:{i + 10**9:064x}", "repository": model,
                      "tag": f"{p}-{t}-{pr}", "status": "fresh" if rev == "head" else "stale", "precision": p,
@@ -102,11 +106,16 @@ def matrix_specs(checkpoint: Path) -> list[dict]:
     from kiln.spec import parse_spec
 
     out = []
-    for target in ("cpu", "sm89", "sm90", "sm100", "sm120"):
-        for backend in ("aot-inductor", "checkpoint"):
-            for precision in ("fp8", "nvfp4"):
+    from kiln.backends import BACKENDS
+    from kiln.kvcache import KV_CACHES
+    from kiln.precisions import PRECISIONS
+    from kiln.targets import CPU, TARGETS
+
+    for target in (CPU, *TARGETS):
+        for backend in (b.name for b in BACKENDS.values() if not b.gpu_only):  # what this machine can build
+            for precision in PRECISIONS:
                 for profile in ("latency", "balanced", "throughput"):
-                    for kv in ("none", "fp8"):
+                    for kv in KV_CACHES:
                         spec = {"checkpoint": str(checkpoint), "precision": precision, "backend": backend,
                                 "target": target, "profile": profile, "kv_cache": kv,
                                 "calibration": {"samples": 8, "seq_len": 64}, "evaluation": {"max_tokens": 1024},

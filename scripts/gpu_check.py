@@ -324,8 +324,10 @@ def gather(args) -> dict:
     except Exception:
         cuda = False
     summary["cuda"] = cuda
-    gpu_steps = ["quantize.fp8", "quantize.nvfp4", "aot-inductor.compile.fp8", "aot-inductor.compile.nvfp4",
-                 "aot-inductor.validate.fp8", "aot-inductor.validate.nvfp4", "trtllm"]
+    from kiln.precisions import PRECISIONS
+
+    gpu_steps = [f"{step}.{p}" for step in ("quantize", "aot-inductor.compile", "aot-inductor.validate")
+                 for p in PRECISIONS] + ["trtllm"]
     if not cuda:
         summary["gpu"] = None
         for name in gpu_steps:
@@ -334,6 +336,8 @@ def gather(args) -> dict:
 
     import torch
 
+    from kiln.targets import FLOOR_SM
+
     major, minor = torch.cuda.get_device_capability(0)
     props = torch.cuda.get_device_properties(0)
     target = kiln_target(major, minor)
@@ -341,7 +345,7 @@ def gather(args) -> dict:
                       "memory_bytes": int(props.total_memory), "count": torch.cuda.device_count()}
     if target is None:
         for name in gpu_steps:
-            check.skip(name, f"sm{major}{minor} is not a Kiln target (FP8 needs sm89+)")
+            check.skip(name, f"sm{major}{minor} is not a Kiln target (the oldest is sm{FLOOR_SM})")
         return finish(summary, check)
 
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kiln-gpu-check-"))
@@ -350,7 +354,7 @@ def gather(args) -> dict:
     roots = [REPO, work]
     try:
         calib_text, eval_text = texts(roots)
-        for precision in ("fp8", "nvfp4"):
+        for precision in PRECISIONS:
             spec = check.run(f"spec.{precision}", lambda p=precision: (make_spec(TINY, p, "aot-inductor", target, roots), {}))
             if spec is None:
                 continue
@@ -384,7 +388,11 @@ def trtllm_path(args, check: Check, target: str, work: Path, roots: list[Path], 
     bf16 = check.run("trtllm.bf16-model", bf16_copy, TINY, work / "tiny-llama-bf16")
     if bf16 is None:
         return
-    for precision, min_sm in (("fp8", 89), ("nvfp4", 100)):
+    from kiln.backends import get_backend_info
+    from kiln.precisions import PRECISIONS
+
+    engine_path = get_backend_info("trtllm-engine")
+    for precision, min_sm in ((p.name, engine_path.min_sm(p)) for p in PRECISIONS.values()):
         name = f"trtllm.{precision}"
         if GPU_ARCHS[target] < min_sm:
             check.skip(name, f"an {precision.upper()} TensorRT-LLM engine needs sm{min_sm}+, this GPU is {target}")
