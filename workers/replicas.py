@@ -21,6 +21,8 @@ from kiln.errors import ArtifactUnknown, NameInvalid
 from kiln.tables import Artifact, Replica
 
 PLACE_FIX = "write host[:port][/path], comma separated, e.g. registry.example.com/team/engines,localhost:5000"
+#: a URL (scheme://…) where a registry place (host[:port][/path]) is wanted
+URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def parse_place(text: str, *, field: str) -> Place:
     """``host[:port][/path]`` → :class:`Place`; :class:`NameInvalid` naming ``field`` otherwise."""
     text = text.strip().rstrip("/")
     host, _, path = text.partition("/")
-    if "@" in text or "://" in text or not host:
+    if "@" in text or URL_SCHEME.match(text) or not host:
         raise NameInvalid(f"{text!r} is not host[:port][/path]", field=field, fix=PLACE_FIX)
     try:
         parse_destination(f"{host}/x", field=field)  # a destination host's rules (a dot, a port, or localhost)

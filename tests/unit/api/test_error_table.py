@@ -86,7 +86,7 @@ def test_lookup_is_by_mro_and_anything_else_is_internal():
 def test_a_resolution_answers_the_status_its_error_row_has():
     """api/resolution.py says why no engine is answered with a status and a code: the code's class has the
     same status in the table."""
-    tree = ast.parse((REPO / "workers" / "resolution.py").read_text())
+    tree = ast.parse((REPO / "api" / "resolution.py").read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Resolution"
              and isinstance(n.args[0], ast.Constant) and n.args[0].value is None]
     assert len(calls) >= 5

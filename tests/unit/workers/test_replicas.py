@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from artifacts.push import Destination, PushResult, registry_host
 from kiln.errors import ArtifactUnknown, NameInvalid
-from tests.unit.workers.test_admission import UID, index_app, pod_create, publish_engine
+from tests.unit.api.test_admission import UID, index_app, pod_create, publish_engine
 from api.admission import EngineFacts, review
 from workers.replicas import Place, ReplicaFacts, parse_place, trusted_registries
 
