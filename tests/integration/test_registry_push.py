@@ -16,7 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -28,6 +27,7 @@ from artifacts.oci import MEDIA_TYPE_IMAGE_INDEX
 from kiln import db
 from kiln.settings import Settings
 from tests.engines import publish_tiny
+from tests.processes import wait_answering
 
 pytestmark = pytest.mark.slow
 
@@ -71,17 +71,7 @@ def registry(tmp_path_factory):
     proc = subprocess.Popen([REGISTRY, "serve", str(root / "config.yml")], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(100):
-            try:
-                if httpx.get(f"{url}/v2/", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"docker-registry exited: {(root / 'log').read_text()[-2000:]}")
-            time.sleep(0.1)
-        else:
-            pytest.fail("docker-registry did not answer /v2/ in 10 s")
+        wait_answering(proc, url, "/v2/", log=root / "log", what="docker-registry", timeout=10)
         yield url
     finally:
         proc.terminate()
@@ -243,17 +233,7 @@ def kiln_api(home: Path):
                                 env={**os.environ, "KILN_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"kiln api exited: {log.read_text()[-2000:]}")
-            time.sleep(0.1)
-        else:
-            pytest.fail("kiln api did not answer /readyz in 30 s")
+        wait_answering(proc, url, "/readyz", log=log, what="kiln api", timeout=30)
         yield url
     finally:
         proc.terminate()

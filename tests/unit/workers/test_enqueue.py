@@ -13,11 +13,11 @@ import pytest
 from kiln import db
 from kiln.tables import Build
 from kiln.states import create_build
+from tests.scan import lines_outside
 from workers.enqueue import send_after_commit
 
 REPO = Path(__file__).resolve().parents[3]
 #: every package of the product and its scripts; a send anywhere in them but the enqueue home fails the scan
-PRODUCT = ["api", "workers", "builder", "artifacts", "validation", "kiln", "migrations", "scripts", "bench"]
 SENDS = re.compile(r"\.(delay|apply_async|send_task)\(")
 HOME = Path("workers/enqueue.py")
 
@@ -111,16 +111,7 @@ def test_a_send_the_broker_refuses_leaves_the_reason_on_the_row_and_on_the_calle
 
 
 def sends_outside_the_home(root: Path) -> list[str]:
-    found = []
-    for package in PRODUCT:
-        for path in sorted((root / package).rglob("*.py")):
-            rel = path.relative_to(root)
-            if rel == HOME:
-                continue
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if SENDS.search(line):
-                    found.append(f"{rel}:{n}: {line.strip()}")
-    return found
+    return lines_outside(root, HOME, SENDS)
 
 
 def test_no_module_but_the_enqueue_home_sends_a_task():

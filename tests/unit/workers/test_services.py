@@ -11,11 +11,12 @@ from sqlalchemy import text
 from artifacts.local import LocalBlobStore
 from kiln import db
 from kiln.settings import Settings
+from tests.scan import PRODUCT as SHIPPED, lines_outside
 from workers.enqueue import celery_enqueue
 from workers.services import build_services
 
 REPO = Path(__file__).resolve().parents[3]
-PRODUCT = ["api", "workers", "builder", "artifacts", "validation", "kiln", "scripts", "bench"]
+PRODUCT = [p for p in SHIPPED if p != "migrations"]
 #: the calls that make a service; only workers/services.py makes them (their definitions aside)
 MAKERS = re.compile(r"\b(open_store|session_factory|Bell)\(")
 HOME = Path("workers/services.py")
@@ -46,16 +47,7 @@ def test_the_s3_store_reads_its_endpoint_from_the_settings_the_services_were_bui
 
 
 def makers_outside_the_home(root: Path) -> list[str]:
-    found = []
-    for package in PRODUCT:
-        for path in sorted((root / package).rglob("*.py")):
-            rel = path.relative_to(root)
-            if rel == HOME:
-                continue
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if MAKERS.search(line) and not DEFINITIONS.match(line):
-                    found.append(f"{rel}:{n}: {line.strip()}")
-    return found
+    return lines_outside(root, HOME, MAKERS, unless=DEFINITIONS, packages=PRODUCT)
 
 
 def test_no_module_but_workers_services_builds_a_service():
