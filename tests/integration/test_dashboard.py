@@ -338,3 +338,26 @@ def test_grid_page_shows_what_is_servable_and_why_not(served, tmp_path):
         assert served.get("/v1/resolve?" + urlencode(q)).json()["digest"] == e["digest"]
     png = screenshot(tmp_path / "profile", url, tmp_path / "grid.png")
     assert png_size(png) == (1280, 900) and len(png) > 20_000
+
+
+def test_a_server_with_engines_but_no_builds_says_they_were_built_elsewhere(tmp_path):
+    """Engines published by a local `kiln build` have no build row on the server: the builds table says so and
+    counts them, rather than "No builds yet" beside a listed engine."""
+    from tests.engines import publish_tiny
+
+    browser()
+    home = tmp_path / "kiln"
+    _, _, row = publish_tiny(home, key=b"built elsewhere", files={"config.json": b"{}", "weights.bin": b"\0" * 64})
+    s = Stack(home, {})
+    for var in ("KILN_DATABASE_URL", "KILN_BROKER_URL", "KILN_STORE_URL", "KILN_BOOTSTRAP_TOKEN", "KILN_AUTH"):
+        s.env.pop(var, None)
+    s.start("serve", "serve", "--port", str(s.port))
+    try:
+        s.wait_http("/healthz")
+        dom = dump_dom(tmp_path / "profile", s.url + "/")
+    finally:
+        s.close()
+    assert f'data-digest="{row.digest}"' in dom  # the engine is listed
+    empty = dom.split('id="builds-empty"', 1)[1].split("</p>", 1)[0]
+    assert "1 engine was built elsewhere (kiln build) and published" in empty
+    assert "No builds yet" not in dom
