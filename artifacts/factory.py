@@ -1,14 +1,14 @@
 """Open a blob store from its URL: the one place configuration picks a backend.
 
 :data:`STORES` maps a URL scheme to the class that serves it; each class parses its own URL and reads its own
-settings (``from_url``, see :meth:`artifacts.interfaces.BlobStore.from_url`). A new store is one class and one row
+settings (``from_url``: :class:`StoreFromUrl`). A new store is one class and one row
 here; the conformance suite (``tests/unit/artifacts``) runs over every row."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import import_module
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 from artifacts.interfaces import BlobStore
@@ -16,6 +16,18 @@ from kiln.errors import SpecError
 
 if TYPE_CHECKING:
     from kiln.settings import Settings
+
+
+class StoreFromUrl(Protocol):
+    """What a registered store class has (a wrapper such as ``builder.leases.LeasedStore`` is not opened from a
+    URL and has none)."""
+
+    @classmethod
+    def from_url(cls, url: str, settings: Settings | None) -> BlobStore:
+        """The store ``url`` names (a URL of this class's scheme), configured from ``settings`` (None: the
+        environment's, read only if this store needs any); a URL it cannot open raises
+        :func:`artifacts.interfaces.url_refused`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -38,7 +50,7 @@ _forms = [row.forms for row in STORES.values()]
 FIX = "use " + (", ".join(_forms[:-1]) + ", or " + _forms[-1] if len(_forms) > 1 else _forms[0])
 
 
-def store_class(scheme: str) -> type[BlobStore]:
+def store_class(scheme: str) -> type[StoreFromUrl]:
     """The class registered for ``scheme`` (KeyError for an unregistered one)."""
     module, _, name = STORES[scheme].cls.partition(":")
     return getattr(import_module(module), name)

@@ -32,13 +32,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 from kiln.digests import CHUNK, parse_digest, sha256_bytes
 from kiln.errors import BlobUnknown, DigestMismatch, SpecError, StorageUnavailable
-
-if TYPE_CHECKING:
-    from kiln.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -65,14 +62,6 @@ class BlobStore(abc.ABC):
 
     url: str
     """The store URL it was opened from (``file:///…`` or ``s3://bucket/prefix``)."""
-
-    @classmethod
-    def from_url(cls, url: str, settings: Settings | None) -> BlobStore:
-        """The store ``url`` names (a URL of this class's scheme in :data:`artifacts.factory.STORES`), configured
-        from ``settings`` (None: the environment's, read only if this store needs any). A URL it cannot open
-        raises :func:`url_refused`. Every registered store has one; a wrapper (``builder.leases.LeasedStore``)
-        is not opened from a URL."""
-        raise NotImplementedError(f"{cls.__name__} is not opened from a URL")
 
     # -- writing ---------------------------------------------------------------------------------
     @abc.abstractmethod
