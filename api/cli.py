@@ -102,7 +102,7 @@ def _print_summary(out: dict) -> None:
             click.echo(f"  evaluated {units.count(seq['windows'])} of {units.count(seq['of'])} windows "
                        f"({units.count(m.get('tokens', 0))} tokens)"
                        + (": stopped once every accuracy gate was decided" if seq.get("stopped_early") else "")
-                       + f"; intervals at {units.fraction(seq['confidence_per_look'])} per look, "
+                       + f"; one-sided bounds at {units.fraction(seq['confidence_per_look'])} per look, "
                        f"{units.fraction(1 - seq['alpha'])} over {len(seq['looks'])} looks")
         for t in m.get("tasks") or []:
             iv = t["interval"]

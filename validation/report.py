@@ -419,8 +419,8 @@ def _sequential_note(doc: dict) -> str:
     looks = seq.get("looks") or []
     text = (f"Evaluated {_fmt(seq.get('windows'))} of {_fmt(seq.get('of'))} windows in a fixed random order"
             + (", stopped once every accuracy gate was decided" if seq.get("stopped_early") else "")
-            + f". Looks planned at {', '.join(str(x) for x in looks)} windows; each look's interval is at "
-            f"{units.fraction(seq.get('confidence_per_look'))} so that all looks together err with probability ≤ "
+            + f". Looks planned at {', '.join(str(x) for x in looks)} windows; each end of each look's interval is a "
+            f"one-sided bound at {units.fraction(seq.get('confidence_per_look'))}, so that all looks together err with probability ≤ "
             f"{_fmt(seq.get('alpha'))}. UNDECIDED: the interval straddles the threshold, so this evaluation cannot "
             "tell; it does not pass.")
     return f'<p class="note">{escape(text)}</p>'
@@ -441,7 +441,7 @@ def _detectable_section(doc: dict) -> list[str]:
             return units.gate_value(gate, v)
         rows.append([units.gate_label(gate), show(iv.get("value")), f"[{show(iv.get('low'))}, {show(iv.get('high'))}]",
                      show(m.get("paired")), _fmt(m.get("windows")), _fmt(m.get("unpaired_windows_needed"))])
-    return [_table(["metric", "value", "interval (at the last look's confidence)", "smallest detectable change (paired)", "windows",
+    return [_table(["metric", "value", "bounds (one-sided, at the last look's confidence)", "smallest detectable change (paired)", "windows",
                     "windows an unpaired test would need"], rows, (1, 3, 4, 5))]
 
 

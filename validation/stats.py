@@ -10,16 +10,22 @@ harder than another) cancels, and far fewer units decide a question than two ind
 - Task items (accuracy drop in points): per item the pair (engine correct, reference correct); the interval is
   the Agresti–Min adjusted Wald interval for a difference of paired proportions (McNemar's setting). It stays
   honest where the bootstrap is not: ten items that all agree give ±16 points, not [0, 0].
-- A gate is **decided**: ``pass`` when the whole interval is on the good side of the threshold, ``fail`` when the
-  whole interval is on the bad side, ``undecided`` when it straddles (the evaluation is too small to tell; an
-  undecided gate does not pass).
-- Sequential evaluation looks at the data a fixed number of times (:func:`looks`); each look's interval is at one
-  confidence, Pocock's boundary for the plan (:func:`look_confidence`), so the chance that any look decides wrongly
-  stays ≤ ``alpha``.
+- A gate is a **one-sided test** at level ``alpha``, as TensorRT-LLM's accuracy CI tests its tasks (one-tailed:
+  only a loss is a regression). An interval's ``confidence`` is that of **each end as a one-sided bound**: the high
+  end of a ``max_`` gate's metric is an upper bound at that confidence, the low end a lower bound. The gate is
+  **decided**: ``pass`` when the good-side bound is on the good side of the threshold, ``fail`` when the bad-side
+  bound is on the bad side, ``undecided`` when the interval straddles it (the evaluation is too small to tell; an
+  undecided gate does not pass). Whatever the true value, only one of the two wrong decisions is possible (a bad
+  engine can only be wrongly passed, a good one only wrongly failed), so each end errs with at most ``alpha`` and
+  so does the decision. (Two-sided intervals at ``1 - alpha`` — 97.5 % bounds — would hold every gate to half the
+  stated error and need about a quarter more windows to decide a close engine.)
+- Sequential evaluation looks at the data a fixed number of times (:func:`looks`); each look's bounds are at one
+  confidence, Pocock's one-sided boundary for the plan (:func:`look_confidence`), so the chance that any look
+  decides wrongly stays ≤ ``alpha``.
 - The **minimum detectable effect** (MDE): the smallest true change that this many units would detect with power
-  ``1 - beta`` at level ``alpha`` (two-sided), ``(z(1-alpha/2) + z(1-beta)) * sd / sqrt(n)`` — TensorRT-LLM's
-  accuracy CI sizes its tests the same way for its unpaired case (``compute_theta``). Beside it, how many units an
-  unpaired comparison would need to detect the same change.
+  ``1 - beta`` in that one-sided test, ``(z(1-alpha) + z(1-beta)) * sd / sqrt(n)`` — TensorRT-LLM's accuracy CI
+  sizes its tests the same way for its unpaired case (``compute_theta``). Beside it, how many units an unpaired
+  comparison would need to detect the same change.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ def z(p: float) -> float:
 
 @dataclass(frozen=True)
 class Interval:
+    """A point value and its bounds: ``low`` is a lower and ``high`` an upper bound, each one-sided at
+    ``confidence`` (so together they cover the value with ``2 * confidence - 1``)."""
+
     value: float
     low: float
     high: float
@@ -84,7 +93,8 @@ def _ratio_statistics(sums: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def window_intervals(per_window: dict[str, np.ndarray], confidence: float, *, samples: int = BOOTSTRAP_SAMPLES,
                      seed: int = SEED) -> dict[str, Interval]:
-    """Point value and percentile bootstrap interval of each window metric. ``per_window``: arrays over windows of
+    """Point value and percentile bootstrap bounds of each window metric (each one-sided at ``confidence``).
+    ``per_window``: arrays over windows of
     ``nll_engine``, ``nll_reference``, ``kl`` and ``agree`` (sums over the window's tokens) and ``tokens``."""
     n = len(per_window["tokens"])
     totals = {k: np.asarray(v, dtype=np.float64).sum() for k, v in per_window.items()}
@@ -93,7 +103,7 @@ def window_intervals(per_window: dict[str, np.ndarray], confidence: float, *, sa
     picks = rng.integers(0, n, size=(samples, n))
     resampled = {k: np.asarray(v, dtype=np.float64)[picks].sum(axis=1) for k, v in per_window.items()}
     boot = _ratio_statistics(resampled)
-    tail = (1.0 - confidence) / 2.0
+    tail = 1.0 - confidence
     out = {}
     for name, values in boot.items():
         finite = values[np.isfinite(values)]
@@ -111,7 +121,7 @@ def window_mde(per_window: dict[str, np.ndarray], *, alpha: float = ALPHA, beta:
     windows two independent samples would need to detect it (their per-window spread is the windows' own, not
     their difference's). Perplexity's is the increase in percent."""
     n = len(per_window["tokens"])
-    k = z(1 - alpha / 2) + z(1 - beta)
+    k = z(1 - alpha) + z(1 - beta)
     tokens = np.asarray(per_window["tokens"], dtype=np.float64)
     nll_e = np.asarray(per_window["nll_engine"], dtype=np.float64) / tokens
     nll_r = np.asarray(per_window["nll_reference"], dtype=np.float64) / tokens
@@ -137,7 +147,8 @@ def window_mde(per_window: dict[str, np.ndarray], *, alpha: float = ALPHA, beta:
 # -- task items: paired proportions -------------------------------------------------------------------
 def paired_accuracy(engine: list[bool], reference: list[bool], confidence: float, *, alpha: float = ALPHA,
                     beta: float = BETA) -> dict:
-    """The accuracy drop (reference − engine, in points) on paired items, with its interval (Agresti–Min) and
+    """The accuracy drop (reference − engine, in points) on paired items, with its bounds (Agresti–Min, each one-sided
+    at ``confidence``) and
     the minimum detectable drop; beside it the items an unpaired comparison (TensorRT-LLM's ``compute_theta``
     setting: two independent samples, σ² = p(1−p)) would need for the same detectable drop."""
     n = len(engine)
@@ -150,9 +161,9 @@ def paired_accuracy(engine: list[bool], reference: list[bool], confidence: float
     drop = (only_r - only_e) / n * 100.0 if n else math.nan
     pb, pc = (only_r + 0.5) / (n + 2), (only_e + 0.5) / (n + 2)
     se = math.sqrt(max(pb + pc - (pb - pc) ** 2, 0.0) / (n + 2))
-    half = z(1 - (1 - confidence) / 2) * se * 100.0
+    half = z(confidence) * se * 100.0
     centre = (pb - pc) * 100.0
-    k = z(1 - alpha / 2) + z(1 - beta)
+    k = z(1 - alpha) + z(1 - beta)
     sd = math.sqrt(max(pb + pc - (pb - pc) ** 2, 0.0))
     mde = k * sd / math.sqrt(n) * 100.0 if n else math.inf
     acc_r = float(r.mean()) if n else math.nan
@@ -177,13 +188,15 @@ POCOCK_PATHS = 200_000
 
 
 def look_confidence(looks, alpha: float = ALPHA) -> float:
-    """Each look's confidence so that all looks together err with probability ≤ ``alpha``: Pocock's boundary — one
-    constant for every look — for the planned looks ``looks`` (units evaluated at each, the last being all).
+    """Each look's one-sided confidence so that all looks together err with probability ≤ ``alpha``: Pocock's
+    one-sided boundary — one constant for every look — for the planned looks ``looks`` (units evaluated at each,
+    the last being all). One look: ``1 - alpha``.
 
     An estimate after n of N units behaves as a Brownian motion observed at n/N; the looks are correlated (each
     sees the units of the one before), so the Bonferroni price (``1 − alpha / looks``) overpays. The constant is the
-    1 − alpha quantile of the largest |Z| over the looks, simulated (seeded, so every build of a plan gets the same
-    number) on any spacing the plan has. Seven looks (128 windows): 98.7 % each rather than Bonferroni's 99.3 %."""
+    1 − alpha quantile of the largest Z over the looks (a wrong decision crosses one bound, on the side away from the
+    truth), simulated (seeded, so every build of a plan gets the same number) on any spacing the plan has. Seven
+    looks (128 windows): 98.6 % each (Z ≤ 2.20) rather than Bonferroni's 99.3 %."""
     looks = tuple(int(n) for n in looks)
     if len(looks) <= 1:
         return 1.0 - alpha
@@ -195,9 +208,8 @@ def _pocock(looks: tuple[int, ...], alpha: float) -> float:
     t = np.asarray(looks, dtype=np.float64) / looks[-1]
     rng = np.random.default_rng(SEED)
     steps = rng.standard_normal((POCOCK_PATHS, len(t))) * np.sqrt(np.diff(t, prepend=0.0))
-    largest = (np.abs(np.cumsum(steps, axis=1)) / np.sqrt(t)).max(axis=1)
-    c = float(np.quantile(largest, 1.0 - alpha))
-    return 1.0 - 2.0 * (1.0 - NormalDist().cdf(c))
+    largest = (np.cumsum(steps, axis=1) / np.sqrt(t)).max(axis=1)
+    return NormalDist().cdf(float(np.quantile(largest, 1.0 - alpha)))
 
 
 def settled(decisions: list[str]) -> bool:

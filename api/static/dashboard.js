@@ -288,7 +288,7 @@ function sequentialNote(m) {
   if (!s) return null;
   return h("p", { class: "sub", id: "sequential" }, "evaluated " + s.windows + " of " + s.of + " windows" +
     (s.stopped_early ? " (stopped once every accuracy gate was decided; " + (s.of - s.windows) + " skipped)" : "") +
-    "; intervals at " + U.fraction(s.confidence_per_look) + " per look over " + s.looks.length + " looks");
+    "; one-sided bounds at " + U.fraction(s.confidence_per_look) + " per look over " + s.looks.length + " looks");
 }
 
 function tasksTable(tasks) {

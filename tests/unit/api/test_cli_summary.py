@@ -34,7 +34,7 @@ def test_the_summary_reads_like_a_sentence(capsys):
                         "mean KL 0.0077, peak 30,307 tokens/s")
     assert lines[1] == "  TTFT 12.3 ms, peak memory 42.4 MiB at the envelope corner"
     assert lines[2] == ("  evaluated 16 of 128 windows (2,048 tokens): stopped once every accuracy gate was decided; "
-                        "intervals at 99.3% per look, 95.0% over 7 looks")
+                        "one-sided bounds at 99.3% per look, 95.0% over 7 looks")
     assert lines[3:6] == ["  top-1 agreement 94.2% [92.8%, 95.6%] (99.3%) ≥ 85.0%  pass",
                           "  throughput 30,307 tokens/s ≥ 1.00 tokens/s  pass",
                           "  peak memory 42.4 MiB ≤ 17.7 GiB  pass"]
