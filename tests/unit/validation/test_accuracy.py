@@ -146,3 +146,28 @@ def test_the_reference_computes_in_bf16_only_for_a_bf16_checkpoint_on_a_cpu_with
 
     assert reference_dtype({"torch_dtype": ckpt_dtype}, cpu) is expected
     assert reference_dtype({"dtype": ckpt_dtype}, cpu) is expected
+
+
+def test_a_bf16_head_on_bf16_hidden_states_keeps_float32_logits_and_anything_else_is_plain_float32():
+    """The head's fast path (bf16 units, float32 accumulation and result) is taken only where converting the
+    operands to bf16 loses nothing: its logits match a float64 product as closely as float32's do — nowhere near
+    bf16-rounded logits — and any other operand gets exactly the plain float32 product."""
+    from validation.runners import _bf16_units
+
+    torch.manual_seed(0)
+    weight = torch.randn(4096, 256).bfloat16()
+    head = LogitsHead(weight)
+    hidden = (torch.randn(64, 256) * 3).bfloat16().float()  # a bf16 reference's hidden states
+    exact = torch.nn.functional.linear(hidden.double(), weight.double())
+    got = head(hidden)
+    assert got.dtype == torch.float32
+    float32_error = (torch.nn.functional.linear(hidden, weight.float()).double() - exact).abs().max()
+    bf16_rounding = (exact.bfloat16().double() - exact).abs().max()
+    assert (got.double() - exact).abs().max() <= max(4 * float32_error, 1e-4) < bf16_rounding / 50
+    assert head._bf16_operands == _bf16_units()  # the head's own tensors qualify wherever the units exist
+    assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # the setting does not outlive the call
+    other = torch.randn(64, 256)  # float32 values with bits below bf16's: plain float32, bit for bit
+    assert torch.equal(head(other), torch.nn.functional.linear(other, weight.float()))
+    full = LogitsHead(torch.randn(4096, 256))  # a float32 head: never the fast path
+    assert not full._bf16_operands
+    assert torch.equal(full(hidden), torch.nn.functional.linear(hidden, full.weight))
