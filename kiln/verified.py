@@ -72,27 +72,29 @@ def _iso(when: datetime | None) -> str | None:
 def engine_counts(session: "Session") -> tuple[dict[tuple[str, str, str], dict[str, dict[str, Any]]], int, int]:
     """Validated engines in the index: (family, precision, backend) → target → {engines, latest}; with the number
     of validated engines counted and of those whose provenance names no family (built before it was recorded)."""
-    from sqlalchemy import select
+    from sqlalchemy import func, select
 
     from kiln.tables import Artifact
 
+    # one grouped query: the family and the verdict read from the JSON columns by the database (PostgreSQL's
+    # ``->>``, SQLite's ``json_extract``), not every artifact's provenance and report loaded here
+    family = Artifact.provenance["family"].as_string()
+    rows = session.execute(
+        select(family, Artifact.precision, Artifact.backend, Artifact.target, func.count(),
+               func.max(Artifact.created_at))
+        .where(Artifact.validation["passed"].as_boolean().is_(True))
+        .group_by(family, Artifact.precision, Artifact.backend, Artifact.target))
     counts: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     total = unattributed = 0
-    rows = session.execute(select(Artifact.precision, Artifact.backend, Artifact.target, Artifact.created_at,
-                                  Artifact.provenance, Artifact.validation))
-    for precision, backend, target, created, provenance, validation in rows:
-        if not isinstance(validation, dict) or validation.get("passed") is not True:
+    for fam, precision, backend, target, engines, latest in rows:
+        total += engines
+        if fam not in FAMILIES:
+            unattributed += engines
             continue
-        total += 1
-        family = (provenance or {}).get("family") if isinstance(provenance, dict) else None
-        if family not in FAMILIES:
-            unattributed += 1
-            continue
-        cell = counts.setdefault((family, precision, backend), {}).setdefault(
-            target, {"engines": 0, "latest": None})
-        cell["engines"] += 1
-        if created is not None and (cell["latest"] is None or created > cell["latest"]):
-            cell["latest"] = created
+        cell = counts.setdefault((fam, precision, backend), {}).setdefault(target, {"engines": 0, "latest": None})
+        cell["engines"] += engines
+        if latest is not None and (cell["latest"] is None or latest > cell["latest"]):
+            cell["latest"] = latest
     return counts, total, unattributed
 
 

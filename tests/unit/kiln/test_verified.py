@@ -19,11 +19,21 @@ from tests.families import FAMILY_CONFIGS
 T0 = datetime(2026, 12, 1, 9, 30, tzinfo=timezone.utc)
 
 
-@pytest.fixture
-def sessions(tmp_path):
-    settings = Settings(home=tmp_path / "home")
-    db.upgrade(settings.db_url)
-    return db.session_factory(settings.db_url)
+@pytest.fixture(params=["sqlite", "postgresql"])
+def sessions(request, tmp_path):
+    """The index on both databases Kiln runs on: the counts are read from the JSON columns by the database itself
+    (SQLite's json_extract, PostgreSQL's ->>)."""
+    if request.param == "sqlite":
+        settings = Settings(home=tmp_path / "home")
+        db.upgrade(settings.db_url)
+        yield db.session_factory(settings.db_url)
+        return
+    from scripts.devstack import postgres_database
+
+    with postgres_database() as url:
+        db.upgrade(url)
+        yield db.session_factory(url)
+        db.get_engine(url).dispose()
 
 
 def add_engine(sessions, *, family="llama", precision="fp8", backend="checkpoint", target="cpu", passed=True,
