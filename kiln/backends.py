@@ -46,7 +46,7 @@ class Backend:
 
     def min_sm(self, precision: Precision) -> int:
         """The oldest GPU architecture this backend builds ``precision`` for."""
-        return precision.min_sm_trtllm_engine if self.export == "trtllm" else precision.min_sm
+        return precision.min_sm_for(self.export)
 
     def precision_gap(self, precision: Precision, sm: int | None) -> str | None:
         """Why this backend cannot build ``precision`` for a GPU of ``sm`` (None: cpu); None when it can."""

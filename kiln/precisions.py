@@ -131,9 +131,8 @@ def fake_quant_nvfp4(x: torch.Tensor, global_scale: float) -> torch.Tensor:
 class Precision:
     name: str  # the spec's value
     title: str
-    #: lowest SM whose tensor cores run it at all (FP8: Ada); a TensorRT-LLM engine may need more
+    #: lowest SM whose tensor cores run it at all (FP8: Ada); an export format's kernels may need more
     min_sm: int
-    min_sm_trtllm_engine: int
     gates: dict[str, float]  # default accuracy and speed gates (docs/validation.md says why each is what it is)
     #: what ``--recipe auto`` tries, in order (kiln/recipes.py): the fastest to serve first, the most accurate last
     ladder: tuple[str, ...]
@@ -143,6 +142,13 @@ class Precision:
     #: ``trtllm-build --gemm_plugin`` for its engines (builder/backends/trtllm.py says why): ``auto`` resolves to the
     #: model's dtype for the unquantized GEMMs; a named plugin is held in the engine's ``plugin_config``
     trtllm_gemm_plugin: str = "auto"
+    #: export format (kiln/backends.py ``Backend.export``) → the lowest SM its runtime's kernels for this precision
+    #: run on, where that is above ``min_sm`` (TensorRT-LLM 1.2's NVFP4 GEMMs: Blackwell only)
+    export_min_sm: tuple[tuple[str, int], ...] = ()
+
+    def min_sm_for(self, export: str) -> int:
+        """The oldest GPU architecture an artifact of this precision in ``export`` format runs on."""
+        return dict(self.export_min_sm).get(export, self.min_sm)
 
 
 @dataclass(frozen=True)
@@ -163,14 +169,15 @@ class QuantFormat:
 
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp8", "FP8 (e4m3) weights and activations", min_sm=89, min_sm_trtllm_engine=89,
+    Precision("fp8", "FP8 (e4m3) weights and activations", min_sm=89,
               gates={"max_ppl_increase_pct": 3.0, "min_top1_agreement": 0.85, "max_mean_kl": 0.05,
                      "max_task_accuracy_drop_pts": 3.0, "min_throughput_tps": 1.0},
               ladder=("fp8", "fp8-pcpt")),
-    Precision("nvfp4", "NVFP4 (e2m1) weights, FP8 scales per 16 values", min_sm=89, min_sm_trtllm_engine=100,
+    Precision("nvfp4", "NVFP4 (e2m1) weights, FP8 scales per 16 values", min_sm=89,
               gates={"max_ppl_increase_pct": 15.0, "min_top1_agreement": 0.70, "max_mean_kl": 0.25,
                      "max_task_accuracy_drop_pts": 8.0, "min_throughput_tps": 1.0},
-              ladder=("nvfp4", "nvfp4-mlp-only", "nvfp4-w4a16"), block=NVFP4_GROUP, trtllm_gemm_plugin="nvfp4"),
+              ladder=("nvfp4", "nvfp4-mlp-only", "nvfp4-w4a16"), block=NVFP4_GROUP, trtllm_gemm_plugin="nvfp4",
+              export_min_sm=(("trtllm", 100),)),
 )}
 
 FORMATS: dict[str, QuantFormat] = {f.quant_algo: f for f in (
