@@ -211,53 +211,24 @@ def _cuda_peak(engine, profile, vocab, seed, corner) -> dict:
 
 
 def _child_peak(source, profile, vocab, seed, corner, timeout_s) -> dict:
-    return MemoryProbe(source, profile, vocab, seed=seed, timeout_s=timeout_s).result()
-
-
-class MemoryProbe:
-    """The peak-memory child (:func:`peak_memory` with a ``source``), started now and read with :meth:`result`.
-    validate starts it before the accuracy pass so that its seconds (importing the runtime, loading the engine,
-    the corner forward) overlap work that is not timed; what it measures is its own process's resident memory,
-    which the parent's work does not change. Its result is read before anything is timed."""
-
-    def __init__(self, source: tuple[str, Path], profile: BatchProfile, vocab: int, *, seed: int = 0,
-                 timeout_s: float = 1800):
-        backend, engine_dir = source
-        self.corner, self.timeout_s = _corner_conditions(profile), timeout_s
-        job = {"backend": backend, "engine_dir": str(engine_dir), "batch": profile.max_batch_size,
-               "seq": profile.max_seq_len, "vocab": vocab, "seed": seed, "threads": torch.get_num_threads()}
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
-        self._deadline = time.monotonic() + timeout_s
-        self._proc = subprocess.Popen([sys.executable, "-m", "validation.measure", "--memory-probe", json.dumps(job)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-    def result(self) -> dict:
-        report("peak memory at the profile's corner")
-        try:
-            out, err = self._proc.communicate(timeout=max(0.0, self._deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.cancel()
-            raise StageFailed(f"the peak-memory probe at the corner {self.corner} ran longer than "
-                              f"{self.timeout_s:.0f}s") from None
-        return _probe_result(self._proc.returncode, out, err, self.corner)
-
-    def cancel(self) -> None:
-        """Stop the child if it still runs (the validation it belonged to ended early)."""
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.communicate()
-
-
-def _probe_result(returncode: int, stdout: str, stderr: str, corner: dict) -> dict:
-    if returncode < 0 and -returncode == signal.SIGKILL:  # the kernel's OOM killer, most likely
+    backend, engine_dir = source
+    job = {"backend": backend, "engine_dir": str(engine_dir), "batch": profile.max_batch_size,
+           "seq": profile.max_seq_len, "vocab": vocab, "seed": seed, "threads": torch.get_num_threads()}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "validation.measure", "--memory-probe", json.dumps(job)],
+                              capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        raise StageFailed(f"the peak-memory probe at the corner {corner} ran longer than {timeout_s:.0f}s") from None
+    if proc.returncode < 0 and -proc.returncode == signal.SIGKILL:  # the kernel's OOM killer, most likely
         return {"peak_memory_bytes": math.inf,
                 "conditions": {"method": "child process killed by SIGKILL while loading or running the corner "
                                          "(out of memory?): the envelope does not fit", "device": "cpu",
                                "corner": corner}}
-    if returncode != 0:
-        tail = (stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise StageFailed(f"the peak-memory probe failed (exit {returncode}): {tail}")
-    probe = json.loads(stdout.strip().splitlines()[-1])
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise StageFailed(f"the peak-memory probe failed (exit {proc.returncode}): {tail}")
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
     peak = max(probe["load_peak_bytes"], probe["forward_peak_bytes"])
     return {"peak_memory_bytes": max(0, peak - probe["runtime_bytes"]),
             "conditions": {"method": "fresh child process: peak RSS (VmHWM) while loading the engine and running "

@@ -16,8 +16,8 @@ from kiln.errors import SpecError, ValidationFailed
 from kiln.kvcache import DEFAULT_KV_CACHE
 from kiln.spec import BuildSpec
 from validation.gates import MEMORY_GATE, TASK_GATE, evaluate, judged_gates, regression
-from validation.measure import (MemoryProbe, accuracy, conditions, cpu_wait, decode_latency, peak_memory,
-                                throughput, throughput_point)
+from validation.measure import (accuracy, conditions, cpu_wait, decode_latency, peak_memory, throughput,
+                                throughput_point)
 from validation import stats
 from validation.runners import Runner
 
@@ -100,11 +100,6 @@ def task_accuracy(engine, reference, tokenizer_dir: Path, spec: BuildSpec, tasks
     return out
 
 
-def own_memory(engine) -> bool:
-    """Whether the runner measures its own peak memory (TensorRT-LLM's)."""
-    return callable(getattr(engine, "peak_memory", None))
-
-
 def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spec: BuildSpec,
              gates: dict[str, float], vocab: int, *, previous: dict | None = None,
              engine_source: tuple[str, Path] | None = None, before_timing: Callable[[], object] | None = None,
@@ -122,18 +117,9 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
     ids, seq = eval_tokens(tokenizer_dir, eval_text, spec)
     profile = spec.batch_profile
     batch = eval_batch(spec)
-    # the CPU peak-memory child runs beside the accuracy pass (nothing there is timed) and is read before timing
-    probe = (MemoryProbe(engine_source, profile, vocab) if engine_source is not None and not own_memory(engine)
-             and not str(engine.device).startswith("cuda") else None)
-    try:
-        metrics = accuracy(engine, reference.windows, ids, seq, batch, gates, sequential=spec.evaluation.sequential)
-        if tasks:
-            metrics["tasks"] = task_accuracy(engine, reference, tokenizer_dir, spec, tasks,
-                                             threshold=gates.get(TASK_GATE))
-        probed = probe.result() if probe is not None else None
-    finally:
-        if probe is not None:
-            probe.cancel()
+    metrics = accuracy(engine, reference.windows, ids, seq, batch, gates, sequential=spec.evaluation.sequential)
+    if tasks:
+        metrics["tasks"] = task_accuracy(engine, reference, tokenizer_dir, spec, tasks, threshold=gates.get(TASK_GATE))
     if before_timing is not None:
         before_timing()
     # A runner with a runtime of its own (TensorRT-LLM: trtllm-bench, in-flight batching, KV cache) measures its
@@ -152,9 +138,7 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
                       "what": "one forward (prefill) of batch × sequence tokens per run",
                       "statistic": "tokens_per_s: median run; tokens_per_s_best: fastest run"}
     metrics.update(ttft_ms=latency["ttft_ms"], tpot_ms=latency["tpot_ms"], latency=latency["points"])
-    if probed is not None:
-        memory = probed
-    elif own_memory(engine):
+    if callable(getattr(engine, "peak_memory", None)):
         memory = engine.peak_memory(profile, vocab)
     elif engine.kv_cache and str(engine.device).startswith("cuda"):
         memory = {"peak_memory_bytes": None, "conditions": {
