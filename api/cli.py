@@ -17,6 +17,7 @@ from kiln import units
 from kiln.backends import BACKENDS, DEFAULT_BACKEND
 from kiln.errors import KilnError, SpecError
 from kiln.kvcache import DEFAULT_KV_CACHE, KV_CACHES
+from kiln.sources import ANY_FORMS
 from kiln.precisions import PRECISIONS
 from kiln.targets import GPU_ARCHS
 
@@ -137,7 +138,8 @@ def _print_recipe(recipe: dict) -> None:
                    f"[{r.get('judged_on')}; " + ", ".join(f"{k} {units.duration(v)}" for k, v in secs.items()) + "]")
 
 
-@main.command()
+@main.command(help=f"Build, validate and publish an engine for CHECKPOINT ({ANY_FORMS}), or one for each spec of "
+              "the build document FILE (-f; docs/cli.md: exit code the highest of its entries').")
 @click.argument("checkpoint", required=False)
 @click.option("-f", "--file", "spec_file", metavar="FILE", help="build every spec of a build document (YAML or JSON: "
               "one spec, or a matrix; - for stdin), the document POST /v1/builds takes; its JSON Schema: kiln schema. "
@@ -183,8 +185,7 @@ def _print_recipe(recipe: dict) -> None:
               help="also write the validation report as HTML to this file")
 def build(checkpoint: str | None, spec_file: str | None, dry_run: bool, force: bool, as_json: bool, server: str | None,
           wait: bool, timeout: float | None, junit_path: Path | None, html_path: Path | None, **options) -> None:
-    """Build, validate and publish an engine for CHECKPOINT (directory, file://, hf://org/name@rev, s3://), or one
-    for each spec of the build document FILE (-f; docs/cli.md: exit code the highest of its entries')."""
+    """``kiln build``: its help (above) names the checkpoint forms from kiln/sources.py."""
     reports: dict = {"junit": junit_path, "html": html_path, "timeout": timeout, "force": force}
     if spec_file is not None:
         from api.cli_file import build_file, refuse_spec_options
@@ -198,7 +199,7 @@ def build(checkpoint: str | None, spec_file: str | None, dry_run: bool, force: b
                           force=force)
     if checkpoint is None:
         raise SpecError("no checkpoint given", field="checkpoint",
-                        fix="give CHECKPOINT (a directory, hf://org/name@rev, s3://bucket/prefix), or -f FILE")
+                        fix=f"give CHECKPOINT ({ANY_FORMS}), or -f FILE")
     try:
         _build(checkpoint, dry_run, as_json, server, wait, reports, options)
     except KilnError as exc:

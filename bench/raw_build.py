@@ -7,7 +7,7 @@ gates, report, layer survey or publish.
 
 - quantize: ``AutoModelForCausalLM.from_pretrained(src, dtype="auto")`` (the checkpoint's own dtype), the
   calibration text tokenized into ``samples × seq_len`` ids, ``mtq.quantize`` with a copy of the precision's
-  ModelOpt config and a forward loop over batches of 8, the calibration saved (``mto.modelopt_state`` and the
+  ModelOpt config (the one its own recipe names in kiln/recipes.py) and a forward loop over batches of 8, the calibration saved (``mto.modelopt_state`` and the
   quantizers' buffers: ``calibration/calibration.pt``), ``export_hf_checkpoint`` into ``hf/`` (in place, no
   copy of the model), the tokenizer saved beside it. Only the unified HF checkpoint: the stage exports nothing
   else.
@@ -39,7 +39,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "kiln" / "data"
-MODELOPT_CONFIGS = {"fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG"}
 #: what the aot-inductor backend copies from hf/ next to model.pt2
 ENGINE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "config.json", "hf_quant_config.json", "generation_config.json")
@@ -98,7 +97,9 @@ def quantize(src: Path, out: Path, *, precision: str, samples: int, seq_len: int
     mem.step("quantize.load")
     ids = tok(read_text("calibration.txt"), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     batches = ids[: samples * seq_len].view(samples, seq_len)
-    cfg = copy.deepcopy(getattr(mtq, MODELOPT_CONFIGS[precision]))
+    from kiln.recipes import RECIPES  # which ModelOpt config: the precision's own recipe (FP8_DEFAULT_CFG, …)
+
+    cfg = copy.deepcopy(getattr(mtq, RECIPES[precision].modelopt_config))
 
     def forward_loop(m):
         with torch.no_grad():

@@ -14,21 +14,22 @@ their identified ETag into ``<cache>/s3/<digest>``.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import replace
 from pathlib import Path
 
-from builder.sources import hf, local, s3
 from builder.sources.base import Access, ResolvedCheckpoint, SourceIO
 from builder.sources.local import file_manifest, stat_entries
 from kiln.settings import Settings
 from kiln.errors import SpecError
-from kiln.sources import TRACKED, source_of
+from kiln.sources import SOURCES, TRACKED, source_of
 
 __all__ = ["SOURCE_IO", "ResolvedCheckpoint", "checkpoint_args", "file_manifest", "identify_checkpoint",
            "latest_revision", "materialize_checkpoint", "read_model_config", "resolve_checkpoint", "stat_entries"]
 
-#: each checkpoint source's reading, by its kind (kiln/sources.py SOURCES: the same keys)
-SOURCE_IO: dict[str, SourceIO] = {"hf": hf.IO, "s3": s3.IO, "local": local.IO}
+#: each checkpoint source's reading, by its kind: ``builder/sources/<kind>.py``'s ``IO`` for every kind of
+#: kiln/sources.py SOURCES (a new source is its row there and its module here, nothing in this file)
+SOURCE_IO: dict[str, SourceIO] = {kind: importlib.import_module(f"builder.sources.{kind}").IO for kind in SOURCES}
 
 
 def checkpoint_args(settings: Settings) -> dict:

@@ -190,6 +190,8 @@ LOCAL = Source(
 SOURCES: dict[str, Source] = {s.kind: s for s in (HF, S3, LOCAL)}
 #: the source tracked models follow (their rows hold its repository and branch)
 TRACKED = HF
+#: every form a checkpoint reference takes, for help texts
+ANY_FORMS = ", ".join(s.form for s in SOURCES.values())
 ANY_FIX = "give " + ", ".join(s.form for s in SOURCES.values() if s.prefix) + " or " + LOCAL.form
 
 

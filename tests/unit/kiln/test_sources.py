@@ -144,3 +144,17 @@ def test_no_module_outside_the_source_home_compares_a_checkpoint_scheme():
             if rel not in HOME:
                 found += scheme_tests(path.read_text(), str(rel))
     assert not found, "compare a reference's scheme only in kiln/sources.py (source_of):\n" + "\n".join(found)
+
+
+def test_kiln_builds_help_and_its_missing_checkpoint_error_name_every_form():
+    """The CLI's words for a checkpoint come from the table: a new source appears there without an edit."""
+    from click.testing import CliRunner
+
+    from api.cli import main
+
+    runner = CliRunner()
+    usage = " ".join(runner.invoke(main, ["build", "--help"]).output.split())
+    missing = runner.invoke(main, ["build"])
+    assert missing.exit_code != 0
+    for source in SOURCES.values():
+        assert source.form in usage and source.form in missing.output, source.kind
