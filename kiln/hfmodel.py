@@ -12,6 +12,13 @@ quantization emulated from the exported ``input_scale`` values. No family has a 
   :attr:`EngineModel.emulation`.
 - :class:`LogitsOnly` is the export surface: ``input_ids [batch, seq] → logits [batch, seq, vocab]``, without a KV
   cache, which is what ``torch.export`` takes with dynamic batch and sequence ranges.
+- Attention in an exported engine (:data:`CAUSAL_SDPA`): transformers' SDPA path passes an explicit causal mask
+  whenever it is traced (it cannot prove the absence of padding then), and SDPA with a mask computes the whole
+  square where ``is_causal`` skips the upper triangle (on a 2-core AVX512-BF16 CPU, 9 heads of 64 in bf16: 1.05 ×
+  the causal kernel's time at 512 tokens, 1.6 × at 2,048; a 25 M-parameter engine 1–3 % faster end to end). An engine's input is
+  unpadded whole sequences without a cache, so its mask is exactly causal: a plain causal layer runs SDPA with
+  ``is_causal``; a layer with anything more (a sliding window, soft-capping, sinks, a position bias) runs
+  transformers' own SDPA path with the mask, as before.
 """
 
 from __future__ import annotations
@@ -28,6 +35,38 @@ from torch import nn
 from kiln.errors import StageFailed
 from kiln.families import Family, family_of
 from kiln.quantformat import ExportedCheckpoint, load_exported
+
+#: the attention implementation an exported engine runs (registered with transformers on first use)
+CAUSAL_SDPA = "kiln_causal_sdpa"
+
+
+def _causal_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``is_causal`` SDPA for a plain causal layer on whole sequences
+    (the engine's only input), transformers' SDPA with the mask for any other layer."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    extra = (kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("position_bias"),
+             getattr(module, "sliding_window", None), getattr(module, "sinks", None))
+    if (any(x is not None for x in extra) or dropout or not getattr(module, "is_causal", True)
+            or query.shape[2] != key.shape[2]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    out = nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_causal_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CAUSAL_SDPA, _causal_sdpa)
+    AttentionMaskInterface.register(CAUSAL_SDPA, sdpa_mask)  # the mask, for the layers that still take it
+
 
 EXPERT_INPUT = re.compile(r"^(?P<layer>.+)\.(?:block_sparse_moe|mlp)\.experts\.\d+\.(?P<proj>w1|w3|gate_proj|up_proj|w2|down_proj)$")
 
@@ -135,6 +174,9 @@ def load_engine_model(directory: Path, *, dtype: torch.dtype = torch.float32, fo
     extra = {}
     if for_export and family.moe:
         extra["experts_implementation"] = "batched_mm" if device == "cpu" else "grouped_mm"
+    if for_export:
+        _register_causal_sdpa()
+        extra["attn_implementation"] = CAUSAL_SDPA
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the loading report is checked below, not printed
     hf_logging.disable_progress_bar()
@@ -158,6 +200,8 @@ def load_engine_model(directory: Path, *, dtype: torch.dtype = torch.float32, fo
                           f"missing {missing[:3]}, unused {unexpected[:3]}, mismatched {mismatched[:3]}")
     model.eval()
     emulation = _quantize_inputs(model, ckpt)
-    if extra:
+    if "experts_implementation" in extra:
         emulation["experts_kernel"] = extra["experts_implementation"]
+    if for_export:
+        emulation["attention"] = CAUSAL_SDPA
     return EngineModel(model, family, ckpt, emulation)
