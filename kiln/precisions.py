@@ -144,11 +144,11 @@ class Precision:
     trtllm_gemm_plugin: str = "auto"
     #: export format (kiln/backends.py ``Backend.export``) → the lowest SM its runtime's kernels for this precision
     #: run on, where that is above ``min_sm`` (TensorRT-LLM 1.2's NVFP4 GEMMs: Blackwell only)
-    export_min_sm: tuple[tuple[str, int], ...] = ()
+    export_min_sm: dict[str, int] = field(default_factory=dict)
 
     def min_sm_for(self, export: str) -> int:
         """The oldest GPU architecture an artifact of this precision in ``export`` format runs on."""
-        return dict(self.export_min_sm).get(export, self.min_sm)
+        return self.export_min_sm.get(export, self.min_sm)
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
               gates={"max_ppl_increase_pct": 15.0, "min_top1_agreement": 0.70, "max_mean_kl": 0.25,
                      "max_task_accuracy_drop_pts": 8.0, "min_throughput_tps": 1.0},
               ladder=("nvfp4", "nvfp4-mlp-only", "nvfp4-w4a16"), block=NVFP4_GROUP, trtllm_gemm_plugin="nvfp4",
-              export_min_sm=(("trtllm", 100),)),
+              export_min_sm={"trtllm": 100}),
 )}
 
 FORMATS: dict[str, QuantFormat] = {f.quant_algo: f for f in (

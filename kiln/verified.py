@@ -91,10 +91,7 @@ def engine_counts(session: "Session") -> tuple[dict[tuple[str, str, str], dict[s
         if fam not in FAMILIES:
             unattributed += engines
             continue
-        cell = counts.setdefault((fam, precision, backend), {}).setdefault(target, {"engines": 0, "latest": None})
-        cell["engines"] += engines
-        if latest is not None and (cell["latest"] is None or latest > cell["latest"]):
-            cell["latest"] = latest
+        counts.setdefault((fam, precision, backend), {})[target] = {"engines": engines, "latest": latest}
     return counts, total, unattributed
 
 

@@ -49,15 +49,22 @@ class AOTInductorRunner:
 
 
 def _bf16_exact(t: torch.Tensor) -> bool:
-    """Whether every value of a float32 tensor is a bf16 value (converting it to bf16 loses nothing)."""
-    return bool(torch.equal(t, t.bfloat16().float()))
+    """Whether every value of a tensor is a bf16 value (converting it to bf16 loses nothing)."""
+    return t.dtype == torch.bfloat16 or bool(torch.equal(t, t.bfloat16().to(t.dtype)))
+
+
+def _this_cpu() -> str:
+    """This host's ``cpu`` toolchain entry (read once per process: kiln/toolchain.py)."""
+    from kiln.toolchain import toolchain_for
+
+    return toolchain_for("aot-inductor", "cpu")["cpu"]
 
 
 def _bf16_units() -> bool:
     """Whether this CPU multiplies bf16 natively (the toolchain's ``bf16`` feature: kiln/toolchain.py)."""
-    from kiln.toolchain import cpu_bf16_native, host_cpu
+    from kiln.toolchain import cpu_bf16_native
 
-    return cpu_bf16_native(host_cpu())
+    return cpu_bf16_native(_this_cpu())
 
 
 @contextmanager
@@ -84,9 +91,8 @@ class LogitsHead:
     AVX512-BF16 CPU (SmolLM2's head on 128 tokens: 19 ms against 47 ms). Anything else runs in plain float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, softcap: float | None = None):
+        self._bf16_operands = _bf16_units() and all(t is None or _bf16_exact(t) for t in (weight, bias))
         self.weight, self.bias, self.softcap = weight.float(), None if bias is None else bias.float(), softcap
-        self._bf16_operands = _bf16_units() and all(
-            t is None or _bf16_exact(t) for t in (self.weight, self.bias))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.float()
@@ -185,10 +191,10 @@ def reference_dtype(config: dict, cpu: str | None = None) -> torch.dtype:
     in, and the one a cpu engine of it computes in on such a CPU (builder/backends/aot_inductor.compute_choice),
     so the comparison measures the quantization, not bf16's rounding — at about half float32's time; everything
     else in float32. The choice is part of the reference key (validation/reference.layout)."""
-    from kiln.toolchain import cpu_bf16_native, toolchain_for
+    from kiln.toolchain import cpu_bf16_native
 
     ckpt = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    cpu = cpu or toolchain_for("aot-inductor", "cpu")["cpu"]
+    cpu = cpu or _this_cpu()
     return torch.bfloat16 if ckpt == "bfloat16" and cpu_bf16_native(cpu) else torch.float32
 
 

@@ -55,7 +55,7 @@ def test_every_precision_has_a_minimum_sm_per_backend_that_some_target_meets(nam
         assert need >= FLOOR_SM and any(t.sm >= need for t in TARGETS.values()), (name, backend.name)
         assert need == PRECISIONS[name].min_sm_for(backend.export) >= PRECISIONS[name].min_sm
     exports = {b.export for b in BACKENDS.values()}
-    for export, sm in PRECISIONS[name].export_min_sm:  # each raises the floor for an export some backend makes
+    for export, sm in PRECISIONS[name].export_min_sm.items():  # each raises the floor for an export some backend makes
         assert export in exports and sm > PRECISIONS[name].min_sm, (name, export)
 
 
