@@ -9,7 +9,8 @@ quantization emulated from the exported ``input_scale`` values. No family has a 
   precision's quantizer and that linear's exported scale. Fused MoE experts (one module computing every expert)
   take their input quantized with the largest of the experts' gate/up input scales (what serving runtimes do: one
   activation scale per fused GEMM); the experts' down projections run on unquantized intermediates — recorded in
-  :attr:`EngineModel.emulation`.
+  :attr:`EngineModel.emulation`. Linears that share an input and its scale (q, k, v; gate, up) share one
+  quantize-dequantize (:class:`_SharedInput`).
 - :class:`LogitsOnly` is the export surface: ``input_ids [batch, seq] → logits [batch, seq, vocab]``, without a KV
   cache, which is what ``torch.export`` takes with dynamic batch and sequence ranges.
 - Attention in an exported engine (:data:`CAUSAL_SDPA`): transformers' SDPA path passes an explicit causal mask
@@ -112,11 +113,14 @@ def _quantize_inputs(model: nn.Module, ckpt: ExportedCheckpoint) -> dict:
     scales: dict[str, float | None] = (dict(ckpt.input_scales) if fmt.activations == "static"
                                        else dict.fromkeys(ckpt.quantized))
     modules = dict(model.named_modules())
+    shared = _SharedInput()
+    model.register_forward_pre_hook(shared.clear)
+    model.register_forward_hook(shared.clear)
     hooked, experts, missing = 0, dict[str, float | None](), list[str]()
     for name, scale in scales.items():
         target = modules.get(name)
         if isinstance(target, nn.Linear):
-            _hook(target, fmt.fake_quant, scale)
+            _hook(target, fmt.fake_quant, scale, shared)
             hooked += 1
             continue
         m = EXPERT_INPUT.match(name)
@@ -132,7 +136,7 @@ def _quantize_inputs(model: nn.Module, ckpt: ExportedCheckpoint) -> dict:
     if missing:
         raise StageFailed(f"{len(missing)} quantized inputs name no module of the model (e.g. {missing[0]})")
     for fused, scale in experts.items():
-        _hook(modules[fused], fmt.fake_quant, scale)
+        _hook(modules[fused], fmt.fake_quant, scale, shared)
     how = "from their exported input_scale" if fmt.activations == "static" else "per token (dynamic scales)"
     out = {"activations": f"{fmt.precision} emulated on {hooked} linears {how}"}
     if experts:
@@ -142,16 +146,34 @@ def _quantize_inputs(model: nn.Module, ckpt: ExportedCheckpoint) -> dict:
     return out
 
 
-def _hook(module: nn.Module, fake_quant, scale: float | None) -> None:
+class _SharedInput:
+    """The last input fake-quantized and its result. Linears that read the same tensor at the same scale (q, k and
+    v; gate and up — ModelOpt exports one input_scale for each such group, and a per-token scale depends only on
+    the tensor) get it quantized once: eagerly, and in the graph torch.export traces, where one
+    quantize-dequantize then feeds the group's matmuls. Held for one forward only (the model's hooks clear it)."""
+
+    def __init__(self) -> None:
+        self.last: tuple | None = None
+
+    def __call__(self, fake_quant, x: torch.Tensor, scale: float | None) -> torch.Tensor:
+        last = self.last
+        if last is not None and last[0] is x and last[1] == scale:
+            return last[2]
+        y = fake_quant(x) if scale is None else fake_quant(x, scale)
+        self.last = (x, scale, y)
+        return y
+
+    def clear(self, *_) -> None:
+        self.last = None
+
+
+def _hook(module: nn.Module, fake_quant, scale: float | None, shared: _SharedInput) -> None:
     """``scale`` None: a dynamic quantizer (``fake_quant(x)``); else a static one, skipped for a zero scale."""
-    if scale is None:
-        def pre(_, args):
-            return (fake_quant(args[0]), *args[1:])
-    elif not scale > 0:
+    if scale is not None and not scale > 0:
         return
-    else:
-        def pre(_, args):
-            return (fake_quant(args[0], scale), *args[1:])
+
+    def pre(_, args):
+        return (shared(fake_quant, args[0], scale), *args[1:])
 
     module.register_forward_pre_hook(pre)
 

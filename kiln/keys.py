@@ -30,7 +30,9 @@ from kiln.spec import BuildSpec
 # 6: the quantize key carried RECIPE_VERSION under a key the recipe's name overwrote (a dict literal with "recipe"
 #    twice), so no bump reached the quantize stage; the version is now its own field. The default backend is
 #    aot-inductor for every target, GPU targets included (kiln/backends.default_backend).
-RECIPE_VERSION = "kiln-recipe-6"
+# 7: aot-inductor engines run plain causal layers' attention with ``is_causal`` (kiln/hfmodel.py CAUSAL_SDPA), quantize
+#    an input shared by several linears once, and round to e4m3 by arithmetic on CPU (kiln/precisions.round_e4m3).
+RECIPE_VERSION = "kiln-recipe-7"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str,

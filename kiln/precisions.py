@@ -44,26 +44,58 @@ def dequantize_fp8(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor | 
 def fake_quant_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Quantize-dequantize with a per-tensor scale, computed in float32 whatever ``x``'s dtype (a bf16 engine's
     activations round as the exported scale says, not as bf16's 8-bit mantissa would), returned in ``x``'s dtype."""
-    return _fp8_qdq(x.float(), scale).to(x.dtype)
+    return _fp8_qdq(x.float(), 1.0 / scale, scale).to(x.dtype)
 
 
-def _fp8_qdq(y: torch.Tensor, scale) -> torch.Tensor:
-    """float32 ``y`` through e4m3 at ``scale`` (a number, or a tensor broadcasting over ``y``) and back."""
+def _fp8_qdq(y: torch.Tensor, inverse, scale) -> torch.Tensor:
+    """float32 ``y`` through e4m3 and back: times ``inverse`` (the scale's reciprocal, 448 / amax), rounded, times
+    ``scale`` (numbers, or tensors broadcasting over ``y``). Multiplying by the reciprocal is how ModelOpt's fake
+    quantizer computes it (``x × 448 / amax``, then ``× amax / 448``), and cheaper than dividing by the scale."""
+    return round_e4m3((y * inverse).clamp(-FP8_MAX, FP8_MAX)) * scale
+
+
+#: Veltkamp's splitter for float32 (24 significant bits) keeping 4: e4m3's implicit bit and 3 mantissa bits
+_E4M3_SPLIT = float(2**20 + 1)
+#: below 2**-5 e4m3's step is 2**-9 whatever the exponent (the lowest normal binade and the subnormals): adding
+#: and subtracting 1.5 × 2**14, whose float32 step is 2**-9, rounds to that step, ties to even
+_E4M3_FIXED_STEP = 1.5 * 2.0**14
+
+
+def round_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """float32 ``y`` with |y| ≤ 448 to the nearest float8_e4m3fn value (ties to even), in float32: exactly
+    ``y.to(torch.float8_e4m3fn).to(torch.float32)`` (zeros may lose their sign).
+
+    On CPU it is computed with float32 arithmetic — Veltkamp's splitting to 4 significant bits above 2**-5, a fixed
+    step below — because the two casts are the costly part of activation emulation there: Inductor's per-token
+    quantize-dequantize kernel takes 1.8 × as long with them (docs/log/performance.md). Checked against the cast on
+    every float32 in [-448, 448], eager and compiled by Inductor with its default flags (no FP contraction: a fused
+    multiply-add would skip the rounding the splitting relies on; builder/backends/aot_inductor.py pins them).
+    Elsewhere (CUDA: one conversion instruction, and Triton contracts multiply-adds) it is the cast."""
     import torch
 
-    return (y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * scale
+    if y.device.type != "cpu":
+        return y.to(torch.float8_e4m3fn).to(torch.float32)
+    split = y * _E4M3_SPLIT
+    high = split + (y - split)
+    low = (y + _E4M3_FIXED_STEP) - _E4M3_FIXED_STEP
+    return torch.where(y.abs() < 2.0**-5, low, high)
 
 
-#: the smallest per-token scale: an all-zero token stays zero instead of dividing by zero
-MIN_TOKEN_SCALE = 1e-12
+#: a token whose amax is at most this is quantized as if its amax were 1 (ModelOpt's rule): an all-zero token stays
+#: zero instead of dividing by zero
+TINY_TOKEN_AMAX = 2.0**-24
 
 
 def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     """Dynamic per-token FP8: each token (the last axis) scaled by its own amax / 448, computed in float32 as
-    :func:`fake_quant_fp8`, returned in ``x``'s dtype."""
+    :func:`fake_quant_fp8`, returned in ``x``'s dtype — ModelOpt's own per-token fake quantization on CPU, bit for
+    bit."""
+    import torch
+
     y = x.float()
-    scale = (y.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_TOKEN_SCALE)
-    return _fp8_qdq(y, scale).to(x.dtype)
+    amax = y.abs().amax(dim=-1, keepdim=True)
+    inverse = FP8_MAX / torch.where(amax <= TINY_TOKEN_AMAX, torch.ones_like(amax), amax)
+    return _fp8_qdq(y, inverse, 1.0 / inverse).to(x.dtype)
 
 
 # -- NVFP4 -------------------------------------------------------------------------------------------
@@ -121,7 +153,7 @@ def fake_quant_nvfp4(x: torch.Tensor, global_scale: float) -> torch.Tensor:
     shape = x.shape
     blocks = x.reshape(-1, NVFP4_GROUP)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    block_scale = (amax / 6.0 / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * global_scale
+    block_scale = round_e4m3((amax / 6.0 / global_scale).clamp(max=FP8_MAX)) * global_scale
     safe = torch.where(block_scale > 0, block_scale, torch.ones_like(block_scale))
     return (_round_e2m1(blocks / safe) * block_scale).reshape(shape)
 

@@ -85,6 +85,12 @@ def _dims(spec: BuildSpec):
     return batch, seq
 
 
+#: Inductor's C++ flags the engine's numerics rely on, pinned whatever the environment says: no floating-point
+#: contraction (a fused multiply-add would skip the rounding kiln/precisions.py ``round_e4m3`` emulates e4m3 with)
+#: and no unsafe math (which may reassociate it away). Both are Inductor's defaults.
+EXACT_CPP_MATH = {"cpp.enable_floating_point_contract_flag": "off", "cpp.enable_unsafe_math_opt_flag": False}
+
+
 class AOTInductorBackend(Backend):
     name = "aot-inductor"
 
@@ -132,7 +138,7 @@ class AOTInductorBackend(Backend):
             t2 = time.perf_counter()
             out_dir.mkdir(parents=True)
             report("AOTInductor compile (C++ code generation and g++)")
-            with torch.no_grad():
+            with torch.no_grad(), torch._inductor.config.patch(EXACT_CPP_MATH):
                 torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / "model.pt2"))
         except Exception as exc:
             raise StageFailed(f"AOTInductor compile failed: {type(exc).__name__}: {exc}") from exc

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.hfmodel import CAUSAL_SDPA, LogitsOnly, _register_causal_sdpa
+from kiln.hfmodel import CAUSAL_SDPA, LogitsOnly, _register_causal_sdpa, _SharedInput
 from tests.families import family_checkpoint
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -59,3 +59,43 @@ def test_the_engines_attention_gives_transformers_logits_and_skips_the_mask_only
         assert all(has_mask != causal for has_mask, causal in calls)
     # what transformers' own SDPA path exports: a mask on every layer (it cannot rule out padding while traced)
     assert all(has_mask for has_mask, _ in _sdpa_calls(theirs, x))
+
+
+# -- activation emulation: one quantize-dequantize per shared input ------------------------------------
+def _qdq_count(model, x: torch.Tensor) -> int:
+    """FP8 quantize-dequantizes in the graph torch.export traces: each clamps to ±448 once."""
+    from torch.export import Dim
+
+    with torch.no_grad():
+        exported = torch.export.export(LogitsOnly(model), (x,), dynamic_shapes={"input_ids": {
+            0: Dim("batch", min=1, max=4), 1: Dim("seq", min=1, max=64)}}, strict=False)
+    return sum(1 for n in exported.graph.nodes if n.target is torch.ops.aten.clamp.default
+               and tuple(n.args[1:3]) == (-448.0, 448.0))
+
+
+def test_linears_sharing_an_input_share_its_quantize_dequantize(fp8_export):
+    """q, k and v read one tensor at one exported input_scale, as do gate and up: the engine quantizes it once per
+    group (4 per layer, not 7), with exactly the logits of quantizing it before each linear."""
+    from kiln.hfmodel import load_engine_model
+    from kiln.precisions import fake_quant_fp8
+
+    built = load_engine_model(fp8_export / "hf")
+    layers = built.model.config.num_hidden_layers
+    x = torch.randint(0, built.model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    scales = built.checkpoint.input_scales
+    assert scales["model.layers.0.self_attn.q_proj"] == scales["model.layers.0.self_attn.v_proj"]  # the premise
+    assert _qdq_count(built.model, x) == 4 * layers
+
+    each = load_engine_model(fp8_export / "hf").model  # every linear quantizing its own input
+    for module in each.modules():
+        module._forward_pre_hooks.clear()
+        module._forward_hooks.clear()
+    modules = dict(each.named_modules())
+    for name, scale in scales.items():
+        modules[name].register_forward_pre_hook(lambda _, args, s=scale: (fake_quant_fp8(args[0], s), *args[1:]))
+    assert _qdq_count(each, x) == 7 * layers
+    with torch.no_grad():
+        assert torch.equal(LogitsOnly(built.model)(x), LogitsOnly(each)(x))
+    # and nothing is held after a forward (the last activation and its quantized copy would stay alive)
+    shared = [h.__self__ for h in built.model._forward_hooks.values() if isinstance(getattr(h, "__self__", None), _SharedInput)]
+    assert shared and all(s.last is None for s in shared)

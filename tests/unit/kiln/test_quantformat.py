@@ -186,15 +186,35 @@ def test_dequantize_fp8_per_channel_scales_each_output_row():
 
 
 def test_fake_quant_fp8_per_token_scales_each_token_by_its_own_amax():
-    from kiln.precisions import FP8_MAX, fake_quant_fp8, fake_quant_fp8_per_token
+    from kiln.precisions import FP8_MAX, fake_quant_fp8_per_token
 
     x = torch.tensor([[[1.0, -3.0, 0.3], [100.0, 7.0, -50.0], [0.0, 0.0, 0.0]]])
     out = fake_quant_fp8_per_token(x)
-    for t in range(2):  # each row equals the static quantizer with that row's own scale, not a shared one
-        expected = fake_quant_fp8(x[0, t], float(x[0, t].abs().max()) / FP8_MAX)
+    for t in range(2):  # each row quantized with its own scale (x × 448 / amax, rounded, × amax / 448), not a shared one
+        inverse = FP8_MAX / x[0, t].abs().max()
+        expected = (x[0, t] * inverse).to(torch.float8_e4m3fn).float() * (1 / inverse)
         assert torch.equal(out[0, t], expected)
-    assert out[0, 0, 1].item() == -3.0 and out[0, 1, 0].item() == 100.0  # each amax maps to 448 exactly
+    # each amax takes the top code, 448, and comes back as 448 × (1 / (448 / amax)): amax within float32 rounding
+    assert out[0, 0, 1].item() == pytest.approx(-3.0, rel=2**-23) and out[0, 1, 0].item() == pytest.approx(100.0, rel=2**-23)
     assert torch.equal(out[0, 2], torch.zeros(3))  # an all-zero token stays zero (no division by zero)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quant_fp8_per_token_is_modelopts_own_quantizer_bit_for_bit(dtype):
+    """The engine's per-token activation emulation is ModelOpt's dynamic per-token FP8 quantizer (the input
+    quantizer FP8_PER_CHANNEL_PER_TOKEN_CFG configures) on every value: tokens over six decades of amax, an
+    all-zero token and a token under ModelOpt's tiny-amax threshold (quantized as if its amax were 1)."""
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from kiln.precisions import fake_quant_fp8_per_token
+
+    theirs = TensorQuantizer(QuantizerAttributeConfig(num_bits=(4, 3), axis=None, type="dynamic", block_sizes={-1: None}))
+    x = torch.randn(3, 50, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 50).reshape(1, 50, 1)
+    x[0, 0], x[0, 1] = 0.0, 1e-9
+    x = x.to(dtype)
+    with torch.no_grad():
+        assert torch.equal(fake_quant_fp8_per_token(x), theirs(x))
 
 
 @pytest.mark.parametrize("algo, activations", [("FP8_PER_CHANNEL_PER_TOKEN", "dynamic"), ("W4A16_NVFP4", "none")])
@@ -208,3 +228,54 @@ def test_formats_without_input_scales_load(tmp_path, algo, activations):
     assert ckpt.format.activations == activations and ckpt.input_scales == {} and ckpt.quantized == ["m"]
     expected = [[1.0] * 16, [3.0] * 16] if algo.startswith("FP8") else [[0.5] * 16] * 2
     assert ckpt.state["m.weight"].tolist() == expected
+
+
+# -- e4m3 rounding by arithmetic (CPU) -----------------------------------------------------------------
+def _floats(lo: float, hi: float) -> torch.Tensor:
+    """Every float32 in [lo, hi), both signs."""
+    a = torch.tensor(lo, dtype=torch.float32).view(torch.int32).item()
+    b = torch.tensor(hi, dtype=torch.float32).view(torch.int32).item()
+    pos = torch.arange(a, b, dtype=torch.int32).view(torch.float32)
+    return torch.cat([pos, -pos])
+
+
+def _e4m3_probe() -> torch.Tensor:
+    """Where e4m3 rounding can go wrong: every float32 from 2**-7 to 2**-4 (the subnormals' fixed step, the lowest
+    normal binades and the switch between the two at 2**-5) and from 256 to 448 (the top binade, saturation's
+    edge), every bf16 value within ±448 (what a bf16 engine's activations are), every e4m3 value and the midpoints
+    between neighbours (ties), and 4 M random float32 bit patterns within ±448."""
+    import math
+
+    grid = torch.arange(0, 256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    top = torch.tensor(448.0).view(torch.int32).item()
+    rand = torch.randint(0, top + 1, (1 << 22,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    rand = rand.view(torch.float32) * torch.where(torch.rand(1 << 22) < 0.5, -1.0, 1.0)
+    parts = [_floats(2.0**-7, 2.0**-4), _floats(256.0, math.nextafter(448.0, math.inf)),
+             bf16[bf16.abs() <= 448], grid, (grid[1:] + grid[:-1]) / 2, rand, torch.tensor([0.0, -0.0, 2.0**-149])]
+    return torch.cat(parts)
+
+
+def test_round_e4m3_is_the_float8_cast_where_rounding_can_go_wrong():
+    """The arithmetic rounding gives the cast's value for every probed float32 (67 M of them; checked on every
+    float32 within ±448, 2.3 G values, when it was written: docs/log/performance.md)."""
+    from kiln.precisions import round_e4m3
+
+    z = _e4m3_probe()
+    cast = z.to(torch.float8_e4m3fn).to(torch.float32)
+    got = round_e4m3(z)
+    wrong = got != cast
+    assert not wrong.any(), f"{int(wrong.sum())} values differ, e.g. {z[wrong][:3].tolist()}"
+
+
+def test_round_e4m3_compiled_by_inductor_is_the_float8_cast():
+    """Compiled to C++ by Inductor with the flags the aot-inductor backend pins (no contraction of the splitting's
+    multiply and add into a fused multiply-add), it still gives the cast's values."""
+    from builder.backends.aot_inductor import EXACT_CPP_MATH
+    from kiln.precisions import round_e4m3
+
+    z = _e4m3_probe()
+    with torch._inductor.config.patch(EXACT_CPP_MATH):
+        got = torch.compile(round_e4m3, dynamic=True)(z)
+    assert torch.equal(got, z.to(torch.float8_e4m3fn).to(torch.float32))
