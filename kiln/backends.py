@@ -1,6 +1,6 @@
 """Backends: one descriptor per way a quantized checkpoint becomes what a deployer loads, owning its rules (checked
 in the spec, before any work), the families it supports, the export of the quantize stage it consumes, the
-toolchain versions that bind its output, and where its compile step and its runner live.
+toolchain versions that bind its output, the recipes it builds, and where its compile step and its runner live.
 
 The compile step and the runner are named as ``module:Class`` and imported when used (as vLLM's model registry
 does), so the core can say what a backend is without importing torch.export or TensorRT-LLM.
@@ -37,6 +37,13 @@ class Backend:
     worker_needs: tuple[str, ...] = ()
     #: workers advertise a queue per TensorRT-LLM / TensorRT version their toolchain binds the output to
     versioned_queues: bool = False
+    #: the recipes (kiln/recipes.py) it builds; None: every recipe, which is what a backend consuming the unified HF
+    #: export can promise (it reads every format back through kiln/quantformat.py)
+    recipes: tuple[str, ...] | None = None
+
+    def builds(self, recipe: str) -> bool:
+        """Whether this backend can build and validate ``recipe``."""
+        return self.recipes is None or recipe in self.recipes
 
     def family_gap(self, family: Family) -> str | None:
         """Why this backend cannot build ``family``; None when it can."""
@@ -73,7 +80,9 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             "builder.backends.trtllm:TRTLLMBackend", "validation.runners:TRTLLMRunner",
             gpu_only=True, tensor_parallel=True, kv_cache_quant=True, toolchain=("tensorrt_llm", "tensorrt", "cuda"),
             status="planned: written against TensorRT-LLM 1.2.x, never run (no TensorRT-LLM or GPU here)",
-            runtime=("tensorrt_llm", "tensorrt"), worker_needs=("tensorrt_llm",), versioned_queues=True),
+            runtime=("tensorrt_llm", "tensorrt"), worker_needs=("tensorrt_llm",), versioned_queues=True,
+            # trtllm-build takes ModelOpt's TensorRT-LLM checkpoint of a whole-model FP8 or NVFP4 recipe only
+            recipes=("fp8", "nvfp4")),
 )}
 
 

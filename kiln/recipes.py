@@ -1,7 +1,7 @@
 """Recipes: one descriptor per ModelOpt quantization recipe Kiln builds, owning which ModelOpt config it runs,
 what its export is called (``quant_algo``, see kiln/precisions.py for how each format is read back), where
-calibration must run, which backends here can build and validate it, and which serving runtimes load its
-checkpoint under which name. A precision's ladder (``--recipe auto``) is data in its descriptor; the ladder's
+calibration must run, and which serving runtimes load its checkpoint under which name (which backends here build
+it is each backend's rule, kiln/backends.py). A precision's ladder (``--recipe auto``) is data in its descriptor; the ladder's
 runner is builder/ladder.py.
 
 The runtime names were read from the runtimes' loaders (docs/validation.md "Recipes" has the table and its
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.backends import BACKENDS
 from kiln.precisions import FORMATS, PRECISIONS, QuantFormat
 
 AUTO = "auto"
@@ -29,9 +30,6 @@ class Recipe:
     #: what ModelOpt's calibration needs: "any" device, or "cuda" (its NVFP4 dynamic block quantization, used by
     #: AWQ's search, asks for a CUDA tensor)
     calibrate_on: str
-    #: the backends here that can build and validate it (every backend that consumes the unified HF export reads
-    #: its formats through kiln/quantformat.py; trtllm-engine only what trtllm-build takes)
-    backends: tuple[str, ...]
     #: runtime → the name it loads this checkpoint under (None: it does not): TensorRT-LLM's ``QuantAlgo`` (its
     #: PyTorch backend reads ``hf_quant_config.json`` itself), vLLM's and SGLang's ``quantization`` option
     runtimes: dict[str, str | None] = field(default_factory=dict)
@@ -42,28 +40,31 @@ class Recipe:
     def format(self) -> QuantFormat:
         return FORMATS[self.quant_algo]
 
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends here that can build and validate it: each backend's row says which recipes it builds."""
+        return tuple(b.name for b in BACKENDS.values() if b.builds(self.name))
 
-_HF = ("aot-inductor", "checkpoint")
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("fp8", "fp8", "FP8 per-tensor weights and static per-tensor activations", "FP8_DEFAULT_CFG", "FP8",
-           "any", _HF + ("trtllm-engine",),
+           "any",
            {"tensorrt-llm": "QuantAlgo.FP8", "vllm": "modelopt", "sglang": "modelopt_fp8"},
            "the fastest FP8 to serve: one scale per weight and per activation tensor, fixed at calibration"),
     Recipe("fp8-pcpt", "fp8", "FP8 per-channel weights and dynamic per-token activations",
-           "FP8_PER_CHANNEL_PER_TOKEN_CFG", "FP8_PER_CHANNEL_PER_TOKEN", "any", _HF,
+           "FP8_PER_CHANNEL_PER_TOKEN_CFG", "FP8_PER_CHANNEL_PER_TOKEN", "any",
            {"tensorrt-llm": "QuantAlgo.FP8_PER_CHANNEL_PER_TOKEN", "vllm": "modelopt", "sglang": None},
            "a scale per output channel and per token (computed at run time): closer to bf16, a little slower"),
     Recipe("nvfp4", "nvfp4", "NVFP4 weights and activations, FP8 scales per 16 values", "NVFP4_DEFAULT_CFG",
-           "NVFP4", "any", _HF + ("trtllm-engine",),
+           "NVFP4", "any",
            {"tensorrt-llm": "QuantAlgo.NVFP4", "vllm": "modelopt_fp4", "sglang": "modelopt_fp4"},
            "4-bit weights and activations on every decoder linear: the smallest and fastest on Blackwell"),
     Recipe("nvfp4-mlp-only", "nvfp4", "NVFP4 on the MLP linears only (attention kept in the model's dtype)",
-           "NVFP4_MLP_ONLY_CFG", "NVFP4", "any", _HF,
+           "NVFP4_MLP_ONLY_CFG", "NVFP4", "any",
            {"tensorrt-llm": "QuantAlgo.NVFP4", "vllm": "modelopt_fp4", "sglang": "modelopt_fp4"},
            "most of the weights (the MLP's) in 4 bits; attention's projections unquantized"),
     Recipe("nvfp4-w4a16", "nvfp4", "NVFP4 weights only, activations in the model's dtype", "W4A16_NVFP4_CFG",
-           "W4A16_NVFP4", "any", _HF,
+           "W4A16_NVFP4", "any",
            {"tensorrt-llm": None, "vllm": "modelopt_fp4", "sglang": None},
            "4-bit weights for memory, 16-bit activations for accuracy; no 4-bit tensor-core math"),
 )}

@@ -105,12 +105,15 @@ def test_an_unreadable_registry_is_reported_not_fatal(monkeypatch, tmp_path):
 def test_markdown_marks_what_the_suite_runs():
     from api.cli_models import support_table_markdown
 
-    table = support_table_markdown()
-    llama = next(ln for ln in table.splitlines() if ln.startswith("| Llama"))
-    mistral = next(ln for ln in table.splitlines() if ln.startswith("| Mistral"))
-    moe = next(ln for ln in table.splitlines() if ln.startswith("| Qwen3-MoE"))
-    # columns: aot-inductor fp8, nvfp4, checkpoint fp8, nvfp4, trtllm-engine fp8, nvfp4
-    assert [c.strip() for c in llama.split("|")[3:9]] == ["yes", "yes", "yes", "yes", "planned", "planned [1]"]
-    assert [c.strip() for c in mistral.split("|")[3:9]] == ["yes", "opt-in", "yes", "yes", "planned", "planned [1]"]
-    assert [c.strip() for c in moe.split("|")[3:9]] == ["yes", "yes", "yes", "untested", "no [2]", "no [2]"]
+    lines = support_table_markdown().splitlines()
+    header = [c.strip() for c in next(ln for ln in lines if ln.startswith("| family")).split("|")]
+    columns = [header.index(f"{b} {p}") for b in ("aot-inductor", "checkpoint", "trtllm-engine") for p in ("fp8", "nvfp4")]
+
+    def cells(family: str) -> list[str]:
+        row = [c.strip() for c in next(ln for ln in lines if ln.startswith(f"| {family} ")).split("|")]
+        return [row[i] for i in columns]
+
+    assert cells("Llama") == ["yes", "yes", "yes", "yes", "planned", "planned [1]"]
+    assert cells("Mistral") == ["yes", "opt-in", "yes", "yes", "planned", "planned [1]"]
+    assert cells("Qwen3-MoE") == ["yes", "yes", "yes", "untested", "no [2]", "no [2]"]
 

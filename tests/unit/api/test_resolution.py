@@ -19,6 +19,8 @@ from api.app import create_app
 from artifacts.oci import read_manifest
 from builder.publish import publish as real_publish
 from kiln import db
+from kiln.backends import BACKENDS
+from kiln.precisions import PRECISIONS
 from kiln.errors import SpecError
 from kiln.tables import Artifact, Tag, TrackedModel, utcnow
 from kiln.settings import Settings
@@ -385,8 +387,8 @@ def test_a_head_that_moves_back_names_its_old_engines_stale_and_the_others_by_st
 
 
 @pytest.mark.parametrize("field,value,message,fix", [
-    ("precision", "int8", "'int8' is not a precision", "use one of fp8, nvfp4"),
-    ("backend", "tensorrt", "'tensorrt' is not a backend", "use one of aot-inductor, checkpoint, trtllm-engine"),
+    ("precision", "int8", "'int8' is not a precision", f"use one of {', '.join(PRECISIONS)}"),
+    ("backend", "tensorrt", "'tensorrt' is not a backend", f"use one of {', '.join(BACKENDS)}"),
 ])
 def test_resolve_refuses_an_unknown_precision_or_backend_naming_the_field_and_the_choices(tmp_path, field, value,
                                                                                         message, fix):

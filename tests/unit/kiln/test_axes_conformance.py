@@ -76,6 +76,7 @@ def test_every_backend_has_its_compile_step_runner_toolchain_readers_and_runtime
     assert set(b.toolchain) <= set(READERS), f"no reader for {set(b.toolchain) - set(READERS)}"
     for target in [t for t in ALL_TARGETS if not (b.gpu_only and t == CPU)]:
         assert set(b.runtime) <= set(toolchain_for(name, target)), "the runtime annotation names unrecorded entries"
+    assert b.recipes is None or set(b.recipes) <= set(RECIPES), f"{name} names recipes that do not exist"
     assert any(name in r.backends for r in RECIPES.values()), f"no recipe is built by {name}"
     assert not b.worker_needs or b.gpu_only, "a tool only GPU workers detect is for GPU-only backends"
 
