@@ -32,7 +32,9 @@ from kiln.spec import BuildSpec
 #    aot-inductor for every target, GPU targets included (kiln/backends.default_backend).
 # 7: aot-inductor engines run plain causal layers' attention with ``is_causal`` (kiln/hfmodel.py CAUSAL_SDPA), quantize
 #    an input shared by several linears once, and round to e4m3 by arithmetic on CPU (kiln/precisions.round_e4m3).
-RECIPE_VERSION = "kiln-recipe-7"
+# 8: a bf16 aot-inductor engine's per-token FP8 quantizer reads the bf16 activation (its amax taken in bf16), so the
+#    activation is rounded to bf16 before it is quantized, as in eager (kiln/precisions.fake_quant_fp8_per_token).
+RECIPE_VERSION = "kiln-recipe-8"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str,

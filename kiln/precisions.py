@@ -89,13 +89,18 @@ TINY_TOKEN_AMAX = 2.0**-24
 def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     """Dynamic per-token FP8: each token (the last axis) scaled by its own amax / 448, computed in float32 as
     :func:`fake_quant_fp8`, returned in ``x``'s dtype — ModelOpt's own per-token fake quantization on CPU, bit for
-    bit."""
+    bit.
+
+    The amax is taken in ``x``'s own dtype and then widened: the largest magnitude of bf16 values is a bf16 value,
+    so it is the same number as in float32. In a compiled engine it matters: the amax and the quantize-dequantize
+    then both read ``x`` itself, and Inductor keeps it in bf16 between them (a row in a local buffer after an
+    RMSNorm, the MLP's product rounded to bf16 in place) instead of writing a float32 copy of every activation to
+    memory and reading it twice — as eager bf16 does, the quantizer sees the bf16 tensor (docs/performance.md)."""
     import torch
 
-    y = x.float()
-    amax = y.abs().amax(dim=-1, keepdim=True)
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
     inverse = FP8_MAX / torch.where(amax <= TINY_TOKEN_AMAX, torch.ones_like(amax), amax)
-    return _fp8_qdq(y, inverse, 1.0 / inverse).to(x.dtype)
+    return _fp8_qdq(x.float(), inverse, 1.0 / inverse).to(x.dtype)
 
 
 # -- NVFP4 -------------------------------------------------------------------------------------------

@@ -217,6 +217,22 @@ def test_fake_quant_fp8_per_token_is_modelopts_own_quantizer_bit_for_bit(dtype):
         assert torch.equal(fake_quant_fp8_per_token(x), theirs(x))
 
 
+def test_the_per_token_quantizer_reads_a_bf16_activation_as_bf16():
+    """The amax and the quantize-dequantize both read the bf16 activation itself, each widening it to float32 where
+    it reads it; no float32 copy of the activation feeds both. In an engine, that is what lets Inductor keep the
+    activation in bf16 between the two instead of writing a float32 copy to memory (docs/performance.md)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kiln.precisions import fake_quant_fp8_per_token
+
+    graph = make_fx(fake_quant_fp8_per_token, tracing_mode="fake")(torch.ones(2, 8, 64, dtype=torch.bfloat16)).graph
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    amax = next(n for n in graph.nodes if n.target == torch.ops.aten.amax.default)
+    assert amax.meta["val"].dtype == torch.bfloat16, "the amax is taken on a float32 copy of the activation"
+    widened = [n for n in x.users if n.meta["val"].dtype == torch.float32]
+    assert all(len(n.users) == 1 for n in widened), "one float32 copy of the activation feeds several consumers"
+
+
 @pytest.mark.parametrize("algo, activations", [("FP8_PER_CHANNEL_PER_TOKEN", "dynamic"), ("W4A16_NVFP4", "none")])
 def test_formats_without_input_scales_load(tmp_path, algo, activations):
     if algo.startswith("FP8"):
