@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from api.pull import MANIFEST_MAX, UnsafeLayer, pull_remote
-
+from artifacts.oci import MEDIA_TYPE_IMAGE_LAYER, MEDIA_TYPE_IMAGE_MANIFEST
+from kiln.digests import canonical_json, sha256_bytes
+from kiln.errors import DigestMismatch, SignatureInvalid
 
 
 def socket_slack() -> int:
@@ -29,9 +31,6 @@ def socket_slack() -> int:
 SOCKET_SLACK = socket_slack()
 #: what an endless body offers: more than a client that reads it all could hide under the slack
 ENDLESS_MIB = max(64, 2 * (MANIFEST_MAX + SOCKET_SLACK) >> 20)
-from artifacts.oci import MEDIA_TYPE_IMAGE_LAYER, MEDIA_TYPE_IMAGE_MANIFEST
-from kiln.digests import canonical_json, sha256_bytes
-from kiln.errors import DigestMismatch, SignatureInvalid
 
 REPO = "acme/tiny"
 
