@@ -95,7 +95,8 @@ def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     so it is the same number as in float32. In a compiled engine it matters: the amax and the quantize-dequantize
     then both read ``x`` itself, and Inductor keeps it in bf16 between them (a row in a local buffer after an
     RMSNorm, the MLP's product rounded to bf16 in place) instead of writing a float32 copy of every activation to
-    memory and reading it twice — as eager bf16 does, the quantizer sees the bf16 tensor (docs/performance.md)."""
+    memory and reading it twice. As in eager bf16, the quantizer sees the bf16 tensor (docs/log/performance.md, "The
+    per-token quantizer reads the bf16 activation")."""
     import torch
 
     amax = x.abs().amax(dim=-1, keepdim=True).float()

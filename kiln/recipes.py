@@ -1,8 +1,8 @@
 """Recipes: one descriptor per ModelOpt quantization recipe Kiln builds, owning which ModelOpt config it runs,
 what its export is called (``quant_algo``, see kiln/precisions.py for how each format is read back), where
 calibration must run, and which serving runtimes load its checkpoint under which name (which backends here build
-it is each backend's rule, kiln/backends.py). A precision's ladder (``--recipe auto``) is data in its descriptor; the ladder's
-runner is builder/ladder.py.
+it is each backend's rule, kiln/backends.py). A precision's ladder (``--recipe auto``) is data in its descriptor;
+the ladder's runner is builder/ladder.py.
 
 The runtime names were read from the runtimes' loaders (docs/validation.md "Recipes" has the table and its
 sources); none of those runtimes runs here. A runtime that does not load a recipe's export gets no serving
