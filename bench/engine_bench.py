@@ -19,8 +19,9 @@ The float32 path of a CPU without native bf16 can be forced on one that has it: 
 MKL then all generate or pick AVX2 code; the toolchain reads ``x86_64-AVX2`` and the engine computes in float32).
 
 Targets: the engine's prefill tokens/s ≥ eager transformers in the checkpoint's own dtype at every measured point
-(issue 17), on a CPU with bf16 units ≥ eager bf16 and on an AVX2 CPU ≥ eager float32 (issue 26). Ratios are medians over rounds of per-round ratios; each figure is the fastest of ``--reps``
-timed runs after a warm-up (interference from other processes only ever slows a run down).
+(issue 17), on a CPU with bf16 units ≥ eager bf16 and on an AVX2 CPU ≥ eager float32 (issue 26). Ratios are
+medians over rounds of per-round ratios; each figure is the fastest of ``--reps`` timed runs after a warm-up
+(interference from other processes only ever slows a run down).
 """
 
 from __future__ import annotations

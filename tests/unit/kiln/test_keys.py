@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln.keys import build_key, compile_key, quantize_key, request_key
+from kiln.recipes import recipes_for
 from kiln.spec import parse_spec
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -213,19 +214,6 @@ def test_every_key_changes_when_the_recipe_version_is_bumped(make, monkeypatch):
 
 
 def test_the_quantize_key_separates_recipe_names(make):
-    names = [n for n in _recipes() if _precision_of(n) == "fp8"]
+    names = [r.name for r in recipes_for("fp8")]
     assert len(names) >= 2
     assert len({keys(make(recipe=n))[0] for n in names}) == len(names)
-
-
-def _recipes() -> list[str]:
-    from kiln.recipes import RECIPES
-
-    return list(RECIPES)
-
-
-def _precision_of(name: str) -> str:
-    """The precision of recipe ``name``."""
-    from kiln.recipes import RECIPES
-
-    return RECIPES[name].precision
