@@ -195,7 +195,7 @@ def main() -> None:
         module._forward_pre_hooks.clear()  # the same dequantized weights, activations not fake-quantized
     plain = LogitsOnly(plain_model).eval()
     runs = {
-        "engine": engine.logits,
+        "engine": engine.prefill,  # the engine's own output (logits in its compute dtype), as a deployer gets it
         "eager_own": lambda x: eager[own](input_ids=x, use_cache=False).logits,
         "eager_fp32": lambda x: eager["float32"](input_ids=x, use_cache=False).logits,
         "eager_fp8_emulated": emulated,

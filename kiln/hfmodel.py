@@ -12,7 +12,10 @@ quantization emulated from the exported ``input_scale`` values. No family has a 
   :attr:`EngineModel.emulation`. Linears that share an input and its scale (q, k, v; gate, up) share one
   quantize-dequantize (:class:`_SharedInput`).
 - :class:`LogitsOnly` is the export surface: ``input_ids [batch, seq] → logits [batch, seq, vocab]``, without a KV
-  cache, which is what ``torch.export`` takes with dynamic batch and sequence ranges.
+  cache, which is what ``torch.export`` takes with dynamic batch and sequence ranges. The logits come out in the
+  dtype the model computes in, as transformers returns them and as serving runtimes do (TensorRT-LLM's engines
+  return float16 logits): a bf16 engine that widened them to float32 would write twice the bytes of its largest
+  tensor for nothing, since a bf16 head's products are already rounded to bf16.
 - Attention in an exported engine (:data:`CAUSAL_SDPA`): transformers' SDPA path passes an explicit causal mask
   whenever it is traced (it cannot prove the absence of padding then), and SDPA with a mask computes the whole
   square where ``is_causal`` skips the upper triangle (on a 2-core AVX512-BF16 CPU, 9 heads of 64 in bf16: 1.05 ×
@@ -81,14 +84,14 @@ class EngineModel:
 
 
 class LogitsOnly(nn.Module):
-    """The causal LM as an engine: token ids in, float logits out, no cache."""
+    """The causal LM as an engine: token ids in, logits out in the dtype the model computes in, no cache."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits.float()
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 def _config(ckpt: ExportedCheckpoint):

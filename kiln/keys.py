@@ -34,7 +34,9 @@ from kiln.spec import BuildSpec
 #    an input shared by several linears once, and round to e4m3 by arithmetic on CPU (kiln/precisions.round_e4m3).
 # 8: a bf16 aot-inductor engine's per-token FP8 quantizer reads the bf16 activation (its amax taken in bf16), so the
 #    activation is rounded to bf16 before it is quantized, as in eager (kiln/precisions.fake_quant_fp8_per_token).
-RECIPE_VERSION = "kiln-recipe-8"
+# 9: aot-inductor engines return logits in the dtype they compute in (bf16 for a bf16 engine), not widened to float32
+#    (kiln/hfmodel.LogitsOnly); engine.json's ``output.dtype`` says which.
+RECIPE_VERSION = "kiln-recipe-9"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str,

@@ -46,11 +46,11 @@ NO_KV_CACHE_NOTE = ("not measured: this engine has no KV cache, so every generat
 # -- throughput ------------------------------------------------------------------------------------
 def _timed(engine, x: torch.Tensor, warmup: int, reps: int) -> list[float]:
     for _ in range(warmup):
-        engine.logits(x)
+        engine.prefill(x)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        engine.logits(x)
+        engine.prefill(x)
         times.append(time.perf_counter() - t)
     return times
 
@@ -93,8 +93,8 @@ def greedy_decode(engine, prompt: torch.Tensor, new_tokens: int) -> tuple[list[f
     seq, steps, generated = prompt, [], []
     for _ in range(new_tokens):
         t = time.perf_counter()
-        logits = engine.logits(seq)
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        logits = engine.prefill(seq)
+        nxt = logits[:, -1].argmax(-1, keepdim=True).cpu()
         steps.append(time.perf_counter() - t)
         generated.append(nxt)
         seq = torch.cat([seq, nxt.to(seq.dtype)], 1)
@@ -116,7 +116,7 @@ def decode_latency(engine, profile: BatchProfile, vocab: int, *, new_tokens: int
         report("decode latency batch size", k, len(batches))
         prompt = torch.randint(0, vocab, (b, prompt_len), generator=gen)
         for _ in range(warmup):
-            engine.decode(prompt, 2) if cached else engine.logits(prompt)
+            engine.decode(prompt, 2) if cached else engine.prefill(prompt)
         ttfts, tpots = [], []
         for _ in range(reps):
             steps, _ = engine.decode(prompt, new) if cached else greedy_decode(engine, prompt, 1)
@@ -186,7 +186,7 @@ def peak_memory(engine, profile: BatchProfile, vocab: int, *, source: tuple[str,
     hwm_reset = _reset_peak_rss()
     before = _proc_status()
     with torch.no_grad():
-        engine.logits(_corner_input(profile, vocab, seed))
+        engine.prefill(_corner_input(profile, vocab, seed))
     after = _proc_status()
     return {"peak_memory_bytes": after["VmHWM"],
             "conditions": {"method": "in-process: this whole process's peak RSS (VmHWM) during one forward at the "
@@ -200,7 +200,7 @@ def _cuda_peak(engine, profile, vocab, seed, corner) -> dict:
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     with torch.no_grad():
-        engine.logits(_corner_input(profile, vocab, seed))
+        engine.prefill(_corner_input(profile, vocab, seed))
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated()),
@@ -256,7 +256,7 @@ def _memory_probe(job: dict) -> dict:
     loaded = _proc_status()
     reset = _reset_peak_rss() and reset
     with torch.no_grad():
-        engine.logits(x)
+        engine.prefill(x)
     done = _proc_status()
     return {"runtime_bytes": runtime, "loaded_bytes": loaded["VmRSS"], "load_peak_bytes": loaded["VmHWM"],
             "forward_peak_bytes": done["VmHWM"], "hwm_reset": reset, "threads": torch.get_num_threads()}

@@ -26,8 +26,13 @@ class Runner(Protocol):
     device: str
     kv_cache: bool
 
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] int64 → the engine's own output, as a deployer gets it: [batch, seq, vocab] logits in the
+        dtype the engine computes in, on its device. Speed and memory are measured through this
+        (validation/measure.py)."""
+
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[batch, seq] int64 → [batch, seq, vocab] float32."""
+        """[batch, seq] int64 → [batch, seq, vocab] float32 on the CPU (what accuracy reads)."""
 
 
 class AOTInductorRunner:
@@ -41,11 +46,14 @@ class AOTInductorRunner:
         except Exception as exc:
             raise StageFailed(f"the AOTInductor package does not load: {type(exc).__name__}: {exc}") from exc
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         # The compiled kernels assume contiguous inputs: a strided view (e.g. windows[:, :-1]) reads garbage.
         with torch.no_grad():
             out = self._fn(input_ids.to(self.device).contiguous())
-        return (out[0] if isinstance(out, (list, tuple)) else out).float().cpu()
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.prefill(input_ids).float().cpu()
 
 
 def _bf16_exact(t: torch.Tensor) -> bool:
@@ -177,9 +185,12 @@ class CheckpointRunner:
         self.built = load_engine_model(checkpoint_dir, dtype=dtype)
         self._model = LogitsOnly(self.built.model).eval()
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self._model(input_ids)
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.prefill(input_ids).float()
 
     def decode(self, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
         return cached_greedy_decode(self.built.model, prompt, new_tokens)
@@ -229,9 +240,12 @@ class TransformersRunner:
     def head(self) -> "LogitsHead":
         return LogitsHead.of(self._model)
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return self._model(input_ids).logits.float()
+            return self._model(input_ids).logits
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.prefill(input_ids).float()
 
     def decode(self, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
         return cached_greedy_decode(self._model, prompt, new_tokens)

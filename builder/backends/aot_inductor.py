@@ -35,7 +35,7 @@ def checkpoint_dtype(config: dict) -> str:
 
 def compute_choice(target: str, config: dict, cpu: str | None = None) -> tuple[torch.dtype, str]:
     """The dtype the engine computes in, and why (weights dequantized into it; activation quantization emulated
-    in float32 and cast back; logits returned in float32).
+    in float32 and cast back; logits returned in it too).
 
     A GPU target computes in the checkpoint's own dtype, as serving runtimes do. The ``cpu`` target computes a
     bf16 checkpoint in bf16 where the build CPU has native bf16 matrix units (``cpu``: the toolchain's entry,
@@ -157,7 +157,7 @@ class AOTInductorBackend(Backend):
             "compute_dtype_reason": why, "checkpoint_dtype": checkpoint_dtype(config),
             "kv_cache": "none (full-sequence forward, no KV cache)",
             "input": {"name": "input_ids", "dtype": "int64", "shape": [f"1..{p.max_batch_size}", f"1..{p.max_seq_len}"]},
-            "output": {"name": "logits", "dtype": "float32", "shape": ["batch", "seq", int(ckpt.config["vocab_size"])]},
+            "output": {"name": "logits", "dtype": str(dtype).removeprefix("torch."), "shape": ["batch", "seq", int(ckpt.config["vocab_size"])]},
             "profile": p.model_dump(), "torch": torch.__version__,
         }
         if device == "cpu":  # what the .so was compiled for and needs: the toolchain's entry, matched by resolve

@@ -145,6 +145,9 @@ def test_family_builds_validates_and_publishes_on_both_backends(family, tmp_path
     engine = json.loads((aot_dir / "engine.json").read_text())
     assert engine["family"] == family and engine["activation_quant_emulated"] is True
     assert engine["compute_dtype"] == ("bfloat16" if cpu_bf16_native(engine["cpu"]) else "float32")
+    # the engine hands out its logits in the dtype it computes in, and says so
+    assert engine["output"]["dtype"] == engine["compute_dtype"]
+    assert AOTInductorRunner(aot_dir).prefill(x).dtype == getattr(torch, engine["compute_dtype"])
     # a damaged NVFP4 dequantization costs orders of magnitude (docs/validation.md: ×2000 with the nibbles swapped)
     assert nvfp4.validation["metrics"]["ppl_increase_pct"] < 50
 

@@ -61,6 +61,19 @@ def test_the_engines_attention_gives_transformers_logits_and_skips_the_mask_only
     assert all(has_mask for has_mask, _ in _sdpa_calls(theirs, x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_engine_returns_transformers_logits_in_the_dtype_it_computes_in(dtype, tmp_path_factory):
+    """The export surface widens nothing: a bf16 model's logits come out in bf16 (what transformers returns and
+    what a runtime serves), not as a float32 copy twice the size of the engine's largest tensor."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(family_checkpoint(tmp_path_factory, "llama"), dtype=dtype).eval()
+    x = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out, theirs = LogitsOnly(model)(x), model(input_ids=x, use_cache=False).logits
+    assert out.dtype == dtype and torch.equal(out, theirs)
+
+
 # -- activation emulation: one quantize-dequantize per shared input ------------------------------------
 def _qdq_count(model, x: torch.Tensor) -> int:
     """FP8 quantize-dequantizes in the graph torch.export traces: each clamps to ±448 once."""

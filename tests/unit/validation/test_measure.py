@@ -71,9 +71,12 @@ class CountingEngine:
         self.table = torch.randn(vocab, vocab)
         self.shapes: list[tuple[int, int]] = []
 
-    def logits(self, input_ids):
+    def prefill(self, input_ids):
         self.shapes.append(tuple(input_ids.shape))
         return self.table[input_ids]
+
+    def logits(self, input_ids):
+        return self.prefill(input_ids)
 
 
 def test_throughput_measures_every_point_of_the_envelope():
@@ -92,9 +95,9 @@ def test_throughput_inputs_are_valid_token_ids_and_seeded():
     seen = []
 
     class Recorder(CountingEngine):
-        def logits(self, input_ids):
+        def prefill(self, input_ids):
             seen.append(input_ids.clone())
-            return super().logits(input_ids)
+            return super().prefill(input_ids)
 
     throughput(Recorder(vocab=5), prof(batch=2, inp=4, seq=4, tokens=8), vocab=5, reps=1, warmup=0)
     first = [t.clone() for t in seen]
@@ -200,11 +203,14 @@ def test_the_kv_cache_decode_generates_what_the_full_forward_decode_does_and_eac
 def test_an_engine_without_a_kv_cache_reports_ttft_and_no_tpot():
     from validation.runners import CheckpointRunner
 
-    class NoCache:  # the aot-inductor runner's shape: logits only
+    class NoCache:  # the aot-inductor runner's shape: a forward and logits, no decode
         device, kv_cache = "cpu", False
 
         def __init__(self):
             self._inner = CheckpointRunner(TINY)
+
+        def prefill(self, ids):
+            return self._inner.prefill(ids)
 
         def logits(self, ids):
             return self._inner.logits(ids)
@@ -255,9 +261,9 @@ class AllocatingEngine(CountingEngine):
         super().__init__()
         self.extra = extra
 
-    def logits(self, input_ids):
+    def prefill(self, input_ids):
         held = torch.ones(self.extra // 4, dtype=torch.float32)
-        out = super().logits(input_ids) + float(held[-1]) * 0
+        out = super().prefill(input_ids) + float(held[-1]) * 0
         del held
         return out
 

@@ -167,9 +167,9 @@ def test_fp8_export_passes_the_tighter_fp8_gates(fp8_export, reference, heldout)
     calls = []
 
     class Recorded(CheckpointRunner):
-        def logits(self, input_ids):
+        def prefill(self, input_ids):  # logits (accuracy) and the timed forwards both run it
             calls.append("forward")
-            return super().logits(input_ids)
+            return super().prefill(input_ids)
 
     spec = nvfp4_spec(precision="fp8")
     report = validate(Recorded(fp8_export / "hf"), reference, TINY, heldout, spec, effective_gates("fp8", {}), 2048,
