@@ -16,6 +16,8 @@ quantization emulated from the exported ``input_scale`` values. No family has a 
   dtype the model computes in, as transformers returns them and as serving runtimes do (TensorRT-LLM's engines
   return float16 logits): a bf16 engine that widened them to float32 would write twice the bytes of its largest
   tensor for nothing, since a bf16 head's products are already rounded to bf16.
+- Rotary embeddings in an exported engine (:func:`tabulate_rotary`): cos/sin looked up by position from tables
+  computed once at export, not recomputed in every layer's kernel.
 - Attention in an exported engine (:data:`CAUSAL_SDPA`): transformers' SDPA path passes an explicit causal mask
   whenever it is traced (it cannot prove the absence of padding then), and SDPA with a mask computes the whole
   square where ``is_causal`` skips the upper triangle (on a 2-core AVX512-BF16 CPU, 9 heads of 64 in bf16: 1.05 ×
@@ -70,6 +72,76 @@ def _register_causal_sdpa() -> None:
 
     AttentionInterface.register(CAUSAL_SDPA, _causal_sdpa)
     AttentionMaskInterface.register(CAUSAL_SDPA, sdpa_mask)  # the mask, for the layers that still take it
+
+
+#: rotary types whose frequencies change with the sequence (transformers' ``dynamic_rope_update``): never tabulated
+SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _static_rope(module: nn.Module) -> bool:
+    kinds = getattr(module, "rope_type", "default")
+    return not any(d in str(k) for k in (kinds.values() if isinstance(kinds, dict) else [kinds])
+                   for d in SEQUENCE_DEPENDENT_ROPE)
+
+
+def tabulate_rotary(model: nn.Module, length: int) -> str:
+    """Give each rotary embedding of ``model`` its cos/sin for positions ``0 … length-1``, computed once here
+    exactly as transformers computes them (rounded to the model's dtype, as it does), and make its forward a lookup
+    by position. Returns what was done, for the engine's record.
+
+    An engine's input is a whole sequence of at most ``length`` tokens, so its positions are ``0 … seq-1``. Traced as
+    transformers writes it, the compiler fuses the cheap cos/sin producer into each consumer: every layer's rotary
+    kernel recomputes a sin and a cos per value for each query and key head (SmolLM2-135M: 30 layers × 12 heads,
+    where eager computes them once), in a kernel that runs on one thread at batch 1. A table costs
+    ``2 × length × head_dim`` values per rotary kind. Rotary types whose frequencies depend on the sequence length
+    (dynamic NTK, LongRoPE) keep transformers' computation, as does a rotary embedding called with keyword
+    arguments (none is, as of transformers 5.14). One called with extra arguments (Gemma 3: the layer type) gets a
+    table for each value it is called with, found by running the model once on two tokens."""
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    static = [m for m in rotaries if _static_rope(m)]
+    if not static:
+        return "computed in every forward (no rotary embedding with sequence-independent frequencies)"
+    calls: dict[nn.Module, dict] = {m: {} for m in static}
+    plain = {m: m.forward for m in static}
+
+    def recording(m: nn.Module):
+        def forward(x: torch.Tensor, position_ids: torch.Tensor, *rest: Any, **kw: Any):
+            calls[m][rest if not kw else None] = (x.dtype, x.device)
+            return plain[m](x, position_ids, *rest, **kw)
+        return forward
+
+    for m in static:
+        m.forward = recording(m)
+    try:
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False)
+    finally:
+        for m in static:
+            m.forward = plain[m]
+    tabulated = 0
+    for m in static:
+        if not calls[m] or None in calls[m]:
+            continue
+        tables = {}
+        for i, (rest, (dtype, dev)) in enumerate(calls[m].items()):
+            with torch.no_grad():
+                cos, sin = plain[m](torch.zeros(1, dtype=dtype, device=dev),
+                                    torch.arange(length, device=dev)[None], *rest)
+            m.register_buffer(f"kiln_cos_{i}", cos[0].contiguous(), persistent=False)
+            m.register_buffer(f"kiln_sin_{i}", sin[0].contiguous(), persistent=False)
+            tables[rest] = i
+
+        def lookup(x: torch.Tensor, position_ids: torch.Tensor, *rest: Any, m=m, tables=tables):
+            i = tables[rest]
+            return getattr(m, f"kiln_cos_{i}")[position_ids], getattr(m, f"kiln_sin_{i}")[position_ids]
+
+        m.forward = lookup
+        tabulated += len(tables)
+    if not tabulated:
+        return "computed in every forward (the rotary embedding was called with keyword arguments)"
+    tables = f"{tabulated} table{'s' if tabulated > 1 else ''}"
+    return f"cos/sin tabulated for positions < {length} ({tables}), looked up by position"
 
 
 EXPERT_INPUT = re.compile(r"^(?P<layer>.+)\.(?:block_sparse_moe|mlp)\.experts\.\d+\.(?P<proj>w1|w3|gate_proj|up_proj|w2|down_proj)$")

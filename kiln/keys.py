@@ -36,7 +36,9 @@ from kiln.spec import BuildSpec
 #    activation is rounded to bf16 before it is quantized, as in eager (kiln/precisions.fake_quant_fp8_per_token).
 # 9: aot-inductor engines return logits in the dtype they compute in (bf16 for a bf16 engine), not widened to float32
 #    (kiln/hfmodel.LogitsOnly); engine.json's ``output.dtype`` says which.
-RECIPE_VERSION = "kiln-recipe-9"
+# 10: aot-inductor engines look rotary cos/sin up in tables made at export (kiln/hfmodel.tabulate_rotary), rounded
+#     to the compute dtype as transformers rounds them, instead of recomputing them unrounded in every layer.
+RECIPE_VERSION = "kiln-recipe-10"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str,

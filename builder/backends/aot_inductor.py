@@ -17,7 +17,7 @@ import torch
 
 from builder.backends.base import Backend
 from kiln.errors import StageFailed
-from kiln.hfmodel import LogitsOnly, load_engine_model
+from kiln.hfmodel import LogitsOnly, load_engine_model, tabulate_rotary
 from kiln.progress import report
 from kiln.spec import BuildSpec
 
@@ -126,6 +126,7 @@ class AOTInductorBackend(Backend):
         positions = int(ckpt.config.get("max_position_embeddings", 0))
         if spec.batch_profile.max_seq_len > positions:
             raise StageFailed(f"profile max_seq_len {spec.batch_profile.max_seq_len} exceeds the model's {positions} positions")
+        built.emulation["rotary"] = tabulate_rotary(built.model, spec.batch_profile.max_seq_len)
         model = LogitsOnly(built.model).eval().to(device)
         batch, seq = _dims(spec)
         example = torch.zeros((2 if spec.batch_profile.max_batch_size > 1 else 1, 8), dtype=torch.long, device=device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.hfmodel import CAUSAL_SDPA, LogitsOnly, _register_causal_sdpa, _SharedInput
+from kiln.hfmodel import CAUSAL_SDPA, LogitsOnly, _register_causal_sdpa, _SharedInput, tabulate_rotary
 from tests.families import family_checkpoint
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -72,6 +72,42 @@ def test_the_engine_returns_transformers_logits_in_the_dtype_it_computes_in(dtyp
     with torch.no_grad():
         out, theirs = LogitsOnly(model)(x), model(input_ids=x, use_cache=False).logits
     assert out.dtype == dtype and torch.equal(out, theirs)
+
+
+def _trig_nodes(model, x: torch.Tensor) -> int:
+    from torch.export import Dim
+
+    with torch.no_grad():
+        exported = torch.export.export(LogitsOnly(model), (x,), dynamic_shapes={"input_ids": {
+            0: Dim("batch", min=1, max=4), 1: Dim("seq", min=1, max=64)}}, strict=False)
+    return sum(1 for n in exported.graph.nodes if n.target in (torch.ops.aten.cos.default, torch.ops.aten.sin.default))
+
+
+@pytest.mark.parametrize("family", PLAIN + MASKED)
+def test_a_tabulated_rotary_embedding_gives_the_same_logits_and_leaves_no_trigonometry_in_the_engine(
+        family, tmp_path_factory):
+    """The engine looks its cos/sin up by position instead of recomputing them in every layer's kernel: the same
+    logits as transformers' own computation, to the bit, for every family (Gemma 3's local and global layers each
+    get their own table), and no sin or cos left in the exported graph."""
+    ckpt = family_checkpoint(tmp_path_factory, family)
+    model, untouched = _model(ckpt, "sdpa"), _model(ckpt, "sdpa")
+    x = torch.randint(0, 2048, (2, 48), generator=torch.Generator().manual_seed(5))
+    assert _trig_nodes(untouched, x) > 0  # the premise: traced as written, the engine computes them
+    done = tabulate_rotary(model, 64)
+    assert done.startswith("cos/sin tabulated for positions < 64"), done
+    assert ("(2 tables)" in done) == (family == "gemma3")
+    with torch.no_grad():
+        assert torch.equal(LogitsOnly(model)(x), LogitsOnly(untouched)(x))
+        assert torch.equal(LogitsOnly(model)(x[:, :7]), LogitsOnly(untouched)(x[:, :7]))
+    assert _trig_nodes(model, x) == 0
+
+
+def test_a_rotary_embedding_whose_frequencies_follow_the_sequence_is_left_as_it_is(tmp_path_factory):
+    model = _model(family_checkpoint(tmp_path_factory, "llama"), "sdpa")
+    model.model.rotary_emb.rope_type = "dynamic"
+    assert tabulate_rotary(model, 64).startswith("computed in every forward")
+    assert not any(name.startswith("kiln_") for name, _ in model.named_buffers(recurse=True)
+                   if "rotary" in name)
 
 
 # -- activation emulation: one quantize-dequantize per shared input ------------------------------------
