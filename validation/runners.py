@@ -29,7 +29,7 @@ class Runner(Protocol):
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[batch, seq] int64 → the engine's own output, as a deployer gets it: [batch, seq, vocab] logits in the
         dtype the engine computes in, on its device. Speed and memory are measured through this
-        (validation/measure.py)."""
+        (validation/measure.py); a runner that measures them with its own runtime (``TRTLLMRunner``) has none."""
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[batch, seq] int64 → [batch, seq, vocab] float32 on the CPU (what accuracy reads)."""
