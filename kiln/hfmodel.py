@@ -140,8 +140,8 @@ def tabulate_rotary(model: nn.Module, length: int) -> str:
         tabulated += len(tables)
     if not tabulated:
         return "computed in every forward (the rotary embedding was called with keyword arguments)"
-    tables = f"{tabulated} table{'s' if tabulated > 1 else ''}"
-    return f"cos/sin tabulated for positions < {length} ({tables}), looked up by position"
+    count = f"{tabulated} table{'s' if tabulated > 1 else ''}"
+    return f"cos/sin tabulated for positions < {length} ({count}), looked up by position"
 
 
 EXPERT_INPUT = re.compile(r"^(?P<layer>.+)\.(?:block_sparse_moe|mlp)\.experts\.\d+\.(?P<proj>w1|w3|gate_proj|up_proj|w2|down_proj)$")
