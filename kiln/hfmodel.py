@@ -97,8 +97,7 @@ def tabulate_rotary(model: nn.Module, length: int) -> str:
     (dynamic NTK, LongRoPE) keep transformers' computation, as does a rotary embedding called with keyword
     arguments (none is, as of transformers 5.14). One called with extra arguments (Gemma 3: the layer type) gets a
     table for each value it is called with, found by running the model once on two tokens."""
-    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    static = [m for m in rotaries if _static_rope(m)]
+    static = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and _static_rope(m)]
     if not static:
         return "computed in every forward (no rotary embedding with sequence-independent frequencies)"
     calls: dict[nn.Module, dict] = {m: {} for m in static}
@@ -139,7 +138,7 @@ def tabulate_rotary(model: nn.Module, length: int) -> str:
         m.forward = lookup
         tabulated += len(tables)
     if not tabulated:
-        return "computed in every forward (the rotary embedding was called with keyword arguments)"
+        return "computed in every forward (no rotary embedding was called with positional arguments only)"
     count = f"{tabulated} table{'s' if tabulated > 1 else ''}"
     return f"cos/sin tabulated for positions < {length} ({count}), looked up by position"
 
