@@ -122,19 +122,24 @@ def _print_summary(out: dict) -> None:
 
 
 def _print_recipe(recipe: dict) -> None:
-    """The recipe built, and with ``--recipe auto`` every rung the ladder tried (its accuracy screen)."""
+    """The recipe built, and with ``--recipe auto`` every rung the ladder tried (its accuracy screen). A rung's
+    gates that failed and those its evaluation stopped before deciding (another gate had already failed) are
+    named apart: an undecided gate is not a measured failure."""
     if not recipe:
         return
     rungs = recipe.get("ladder")
-    click.echo(f"recipe {recipe.get('built')}" + (f" (chosen by the {recipe.get('requested')} ladder)" if rungs else ""))
+    why = ""
+    if rungs:
+        why = (f" (chosen by the {recipe.get('requested')} ladder)" if any(r.get("passed") for r in rungs)
+               else f" (no rung of the {recipe.get('requested')} ladder passed: the one with the smallest "
+                    "perplexity increase was built)")
+    click.echo(f"recipe {recipe.get('built')}{why}")
     for r in rungs or []:
         m = r.get("metrics") or {}
-        failed = [units.gate_label(g["name"]) for g in r.get("gates", []) if not g["passed"]]
         secs = r.get("seconds") or {}
         click.echo(f"  rung {r['recipe']:<15} perplexity {units.percent(m.get('ppl_increase_pct', math.nan)):>7}  "
                    f"top-1 {units.fraction(m.get('top1_agreement', math.nan)):>6}  "
-                   f"KL {units.number(m.get('mean_kl', math.nan))}  "
-                   f"{'pass' if r.get('passed') else 'FAIL ' + ', '.join(failed)}  "
+                   f"KL {units.number(m.get('mean_kl', math.nan))}  {units.rung_verdict(r)}  "
                    f"[{r.get('judged_on')}; " + ", ".join(f"{k} {units.duration(v)}" for k, v in secs.items()) + "]")
 
 

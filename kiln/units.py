@@ -187,6 +187,21 @@ def gate_decision(g: dict) -> str:
     return {"pass": "pass", "fail": "FAIL", "undecided": "UNDECIDED"}.get(decision, str(decision))
 
 
+def rung_verdict(rung: dict) -> str:
+    """A ladder rung's verdict: ``pass``, or ``FAIL perplexity increase; undecided mean KL``. A sequential evaluation
+    stops once one gate fails, so a failed rung's other gates may be undecided; they are named apart, since an
+    undecided gate is not a measured failure."""
+    if rung.get("passed"):
+        return "pass"
+    by: dict[str, list[str]] = {"fail": [], "undecided": []}
+    for g in rung.get("gates") or []:
+        if not g.get("passed"):
+            by["undecided" if g.get("decision") == "undecided" else "fail"].append(gate_label(str(g.get("name"))))
+    parts = ([f"FAIL {', '.join(by['fail'])}"] if by["fail"] else []) + (
+        [f"undecided {', '.join(by['undecided'])}"] if by["undecided"] else [])
+    return "; ".join(parts) or "FAIL"
+
+
 def gate_interval(g: dict) -> str:
     """``[+2.10%, +3.70%] (99.0%)``: the interval the gate was decided on, at its confidence; ``""`` without one."""
     iv = g.get("interval")

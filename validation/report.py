@@ -402,10 +402,9 @@ def _recipe_section(q: dict) -> list[str]:
         rows = []
         for r in rungs:
             m = r.get("metrics") or {}
-            failed = ", ".join(str(g.get("name")) for g in r.get("gates") or [] if not g.get("passed"))
             rows.append([r.get("recipe"), units.percent(m.get("ppl_increase_pct")),
                          units.fraction(m.get("top1_agreement")), units.number(m.get("mean_kl")), r.get("judged_on"),
-                         "pass" if r.get("passed") else f"FAIL {failed}",
+                         units.rung_verdict(r),
                          ", ".join(f"{k} {units.duration(v)}" for k, v in (r.get("seconds") or {}).items())])
         out.append(_table(["rung", "perplexity increase", "top-1 agreement", "mean KL", "judged on", "verdict", "time"],
                           rows, (1, 2, 3)))

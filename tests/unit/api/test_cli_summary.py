@@ -41,3 +41,44 @@ def test_the_summary_reads_like_a_sentence(capsys):
     assert "4 min 05 s" in lines[7] and "16.0 s" in lines[7] and "+0.34%" in lines[7]
     assert lines[-1].startswith("engine sha256:0a0a")
     assert "e+" not in "\n".join(lines) and "MB" not in "\n".join(lines)
+
+
+def _rung(recipe: str, ppl: float, gates: list[dict]) -> dict:
+    return {"recipe": recipe, "passed": all(g["passed"] for g in gates), "judged_on": "screen",
+            "seconds": {"quantize": 6.2, "screen": 3.6},
+            "metrics": {"ppl_increase_pct": ppl, "top1_agreement": 0.72, "mean_kl": 0.2403}, "gates": gates}
+
+
+PPL_FAIL = {"name": "max_ppl_increase_pct", "value": 21.4, "threshold": 15.0, "passed": False, "decision": "fail"}
+KL_UNDECIDED = {"name": "max_mean_kl", "value": 0.2403, "threshold": 0.25, "passed": False, "decision": "undecided"}
+KL_FAIL = {"name": "max_mean_kl", "value": 0.44, "threshold": 0.25, "passed": False, "decision": "fail"}
+TOP1_PASS = {"name": "min_top1_agreement", "value": 0.72, "threshold": 0.70, "passed": True, "decision": "pass"}
+
+
+def test_a_ladder_where_no_rung_passed_says_so_and_tells_an_undecided_gate_from_a_failed_one(capsys):
+    """The evaluation stops once one gate fails, so a rung's other gates may be undecided: a KL of 0.24 under a
+    0.25 gate is not a failure the user should read as one."""
+    out = {**OUT, "validation": {**OUT["validation"], "passed": False, "gates": [], "recipe": {
+        "requested": "auto", "built": "nvfp4-w4a16", "ladder": [
+            _rung("nvfp4", 46.6, [PPL_FAIL, KL_FAIL, TOP1_PASS]),
+            _rung("nvfp4-w4a16", 21.4, [PPL_FAIL, KL_UNDECIDED, TOP1_PASS])]}}}
+    _print_summary(out)
+    lines = capsys.readouterr().out.splitlines()
+    recipe = next(i for i, line in enumerate(lines) if line.startswith("recipe "))
+    assert lines[recipe] == ("recipe nvfp4-w4a16 (no rung of the auto ladder passed: the one with the smallest "
+                             "perplexity increase was built)")
+    assert "FAIL perplexity increase, mean KL  [" in lines[recipe + 1]
+    assert "FAIL perplexity increase; undecided mean KL  [" in lines[recipe + 2]
+    assert "top-1" not in lines[recipe + 2].split("FAIL")[1]
+
+
+def test_a_ladder_whose_last_rung_passed_names_it_chosen(capsys):
+    out = {**OUT, "validation": {**OUT["validation"], "recipe": {
+        "requested": "auto", "built": "fp8-pcpt", "ladder": [
+            _rung("fp8", 3.5, [PPL_FAIL, KL_UNDECIDED]), _rung("fp8-pcpt", 1.2, [TOP1_PASS])]}}}
+    _print_summary(out)
+    lines = capsys.readouterr().out.splitlines()
+    recipe = next(i for i, line in enumerate(lines) if line.startswith("recipe "))
+    assert lines[recipe] == "recipe fp8-pcpt (chosen by the auto ladder)"
+    assert lines[recipe + 1].endswith("FAIL perplexity increase; undecided mean KL  [screen; quantize 6.20 s, screen 3.60 s]")
+    assert "  pass  [screen;" in lines[recipe + 2]

@@ -248,7 +248,8 @@ def test_the_report_shows_every_rung_the_ladder_tried_escaped(real):
     validation["recipe"] = {"requested": "auto", "built": "fp8-pcpt", "ladder": [
         {"recipe": "fp8", "passed": False, "judged_on": "engine", "seconds": {"validate": 12.5},
          "metrics": {"ppl_increase_pct": 3.51, "top1_agreement": 0.86, "mean_kl": 0.065},
-         "gates": [{"name": "max_ppl_increase_pct", "passed": False}, {"name": "<script>x</script>", "passed": False}]},
+         "gates": [{"name": "max_ppl_increase_pct", "passed": False}, {"name": "<script>x</script>", "passed": False},
+                   {"name": "max_mean_kl", "passed": False, "decision": "undecided"}]},
         {"recipe": "fp8-pcpt", "passed": True, "judged_on": "screen", "seconds": {"quantize": 4.0, "screen": 9.0},
          "metrics": {"ppl_increase_pct": 1.19, "top1_agreement": 0.87, "mean_kl": 0.054}, "gates": []}]}
     doc = doc_of(provenance, validation)
@@ -258,7 +259,7 @@ def test_the_report_shows_every_rung_the_ladder_tried_escaped(real):
     section = section[:section.index("<h2>", 5)]
     assert "fp8-pcpt" in section and "requested <code>auto</code>" in section
     assert section.count("<tr>") == 3  # the header and one row per rung
-    assert "FAIL max_ppl_increase_pct" in section and "3.51" in section and "screen 9.00 s" in section
+    assert "FAIL perplexity increase, &lt;script&gt;x&lt;/script&gt;; undecided mean KL" in section and "3.51" in section and "screen 9.00 s" in section
     assert "<script>" not in section and "&lt;script&gt;" in section
 
 
