@@ -193,12 +193,12 @@ def rung_verdict(rung: dict) -> str:
     undecided gate is not a measured failure."""
     if rung.get("passed"):
         return "pass"
-    by: dict[str, list[str]] = {"fail": [], "undecided": []}
+    by: dict[str, list[str]] = {"FAIL": [], "UNDECIDED": []}
     for g in rung.get("gates") or []:
-        if not g.get("passed"):
-            by["undecided" if g.get("decision") == "undecided" else "fail"].append(gate_label(str(g.get("name"))))
-    parts = ([f"FAIL {', '.join(by['fail'])}"] if by["fail"] else []) + (
-        [f"undecided {', '.join(by['undecided'])}"] if by["undecided"] else [])
+        if (word := gate_decision(g)) in by:
+            by[word].append(gate_label(str(g.get("name"))))
+    parts = ([f"FAIL {', '.join(by['FAIL'])}"] if by["FAIL"] else []) + (
+        [f"undecided {', '.join(by['UNDECIDED'])}"] if by["UNDECIDED"] else [])
     return "; ".join(parts) or "FAIL"
 
 
