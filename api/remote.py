@@ -34,6 +34,30 @@ READ_TIMEOUT_S = 30.0
 FIRST_BACKOFF_S, MAX_BACKOFF_S, RECONNECT_TRIES = 0.5, 8.0, 6
 #: how often the polling fallback reads the build
 POLL_S = 3.0
+#: a request whose connection was cut after it reached the server is asked again this many times (backing off as
+#: the stream does); see :func:`_send`
+RESEND_TRIES = 5
+
+
+def _send(client: httpx.Client, method: str, url: str, *, what: str, reached: bool,
+          say=lambda line: click.echo(line, err=True), **kw) -> httpx.Response:
+    """``method url``, asked again when the network cuts it (a proxy's lifetime or idle limit, an ingress that
+    restarts): the answer was lost, not refused. Safe for every request this module sends: the GETs only read,
+    and ``POST /v1/builds`` is idempotent (an identical request joins the build the first one made,
+    workers/submit.py), so a submission whose answer was cut is answered again with the same build. ``reached``:
+    the server has answered this client before; until it has, a connection that cannot be made at all is a wrong
+    ``--server`` or a server that is down, and fails at once."""
+    cuts, delay = 0, FIRST_BACKOFF_S
+    while True:
+        try:
+            return client.request(method, url, **kw)
+        except httpx.TransportError as exc:
+            cuts += 1
+            if cuts > RESEND_TRIES or isinstance(exc, httpx.ConnectError) and not reached:
+                raise
+            say(f"  {what} was cut ({type(exc).__name__}); asking again")
+        time.sleep(delay)
+        delay = min(delay * 2, MAX_BACKOFF_S)
 
 
 def _follow(client: httpx.Client, build_id: str, progress, say=lambda line: click.echo(line, err=True)) -> None:
@@ -98,7 +122,7 @@ def _wait(client: httpx.Client, build: dict, server: str, progress, timeout: flo
     The follow runs in a thread so the deadline holds even while a stream is quiet but alive."""
     build_id = build["id"]
     if build["status"] == "queued":
-        r = client.get(f"/v1/builds/{build_id}")
+        r = _send(client, "GET", f"/v1/builds/{build_id}", what="reading the build", reached=True)
         reason = r.json().get("reason") if r.status_code == 200 else None
         if reason:
             click.echo(f"  queued: {reason}", err=True)
@@ -137,7 +161,7 @@ def _state(client: httpx.Client, build_id: str) -> str:
 
 def _post(client: httpx.Client, server: str, body: dict) -> dict:
     try:
-        resp = client.post("/v1/builds", json=body)
+        resp = _send(client, "POST", "/v1/builds", json=body, what="the answer to the submission", reached=False)
     except httpx.HTTPError as exc:
         raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
     if resp.status_code not in (200, 202):
@@ -152,7 +176,7 @@ def _finish(client: httpx.Client, server: str, build: dict, *, wait: bool, progr
     click.echo(f"build {build['id']} {build['status']} on {server}", err=True)
     if build["status"] not in TERMINAL:
         _wait(client, build, server, progress, timeout)
-    final = client.get(f"/v1/builds/{build['id']}")
+    final = _send(client, "GET", f"/v1/builds/{build['id']}", what="reading the finished build", reached=True)
     if final.status_code != 200:
         raise _fail(final)
     return _outcome(client, {**final.json(), "cache_hit": build.get("cache_hit", False)})
@@ -194,7 +218,7 @@ def remote_matrix(server: str, document: dict, *, wait: bool, progress, on_entry
 def _outcome(client: httpx.Client, build: dict) -> dict:
     validation, artifact = {}, None
     if build.get("digest"):
-        r = client.get(f"/v1/artifacts/{build['digest']}")
+        r = _send(client, "GET", f"/v1/artifacts/{build['digest']}", what="reading the engine", reached=True)
         if r.status_code == 200:
             body = r.json()
             validation = body.get("validation") or {}
@@ -232,7 +256,7 @@ def fetch_report_document(server: str, digest: str) -> tuple[dict, str | None]:
 
     with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
         try:
-            resp = client.get(f"/v1/artifacts/{digest}")
+            resp = _send(client, "GET", f"/v1/artifacts/{digest}", what="reading the engine", reached=False)
         except httpx.HTTPError as exc:
             raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
     if resp.status_code != 200:
@@ -248,7 +272,8 @@ def remote_resolve(server: str, query: dict[str, str]) -> dict:
     (404: nothing servable yet, 409: only stale engines or none for the asked runtime; both ArtifactUnknown)."""
     with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
         try:
-            resp = client.get("/v1/resolve", params={k: v for k, v in query.items() if v is not None})
+            resp = _send(client, "GET", "/v1/resolve", params={k: v for k, v in query.items() if v is not None},
+                         what="the resolve request", reached=False)
         except httpx.HTTPError as exc:
             raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
     if resp.status_code == 200:
@@ -265,7 +290,7 @@ def fetch_support(server: str) -> dict:
     document ``kiln models --json`` prints)."""
     with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
         try:
-            resp = client.get("/v1/support")
+            resp = _send(client, "GET", "/v1/support", what="reading the support matrix", reached=False)
         except httpx.HTTPError as exc:
             raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
     if resp.status_code != 200:

@@ -27,12 +27,14 @@ STAGES = ("resolve", "quantize", "compile", "validate", "publish")
 
 class CuttingProxy:
     """Forwards 127.0.0.1:<port> to the server; cuts a connection idle for ``idle`` seconds, any connection older
-    than ``life`` seconds, or, with ``refuse``, closes every connection whose request line contains that text."""
+    than ``life`` seconds, or, with ``refuse``, closes every connection whose request line contains that text.
+    With ``lose``, the first request whose request line contains that text reaches the server, and its connection
+    is cut when the server's answer starts: the server did the work, the client never hears of it."""
 
     def __init__(self, upstream: int, *, idle: float | None = None, life: float | None = None,
-                 refuse: bytes | None = None):
-        self.upstream, self.idle, self.life, self.refuse = upstream, idle, life, refuse
-        self.cuts = {"idle": 0, "life": 0, "refused": 0}
+                 refuse: bytes | None = None, lose: bytes | None = None):
+        self.upstream, self.idle, self.life, self.refuse, self.lose = upstream, idle, life, refuse, lose
+        self.cuts = {"idle": 0, "life": 0, "refused": 0, "lost": 0}
         self.longest_quiet = 0.0  # the longest time a stream from the server sent nothing, while it stayed open
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
@@ -54,6 +56,7 @@ class CuttingProxy:
     def _pipe(self, client: socket.socket) -> None:
         upstream = socket.create_connection(("127.0.0.1", self.upstream))
         born = heard = time.monotonic()
+        losing = False  # this connection carries the request whose answer is lost
         try:
             while not self.closed:
                 ready, _, _ = select.select([client, upstream], [], [], 0.1)
@@ -70,6 +73,11 @@ class CuttingProxy:
                         return
                     if sock is client and self.refuse and self.refuse in data.split(b"\r\n", 1)[0]:
                         self.cuts["refused"] += 1
+                        return
+                    if sock is client and self.lose and not self.cuts["lost"] and self.lose in data.split(b"\r\n", 1)[0]:
+                        losing = True
+                    if sock is upstream and losing:
+                        self.cuts["lost"] += 1
                         return
                     if sock is upstream:
                         self.longest_quiet = max(self.longest_quiet, now - heard)
@@ -114,6 +122,24 @@ def test_a_wait_survives_a_proxy_that_cuts_every_connection_after_3s(served):
     lines = [line for line in proc.stderr.splitlines() if not HEARTBEAT_LINE.match(line)]
     for stage in STAGES:  # every stage's line once: a resumed stream neither loses nor repeats an event
         assert sum(1 for line in lines if line.split()[:1] == [stage]) == 1, proc.stderr
+    assert "PASSED" in proc.stdout
+
+
+def test_a_submission_whose_answer_is_lost_is_asked_again_and_joins_the_build_it_made(served):
+    # the POST reaches the server, which creates and queues the build; the proxy cuts the connection as the answer
+    # starts (an ingress's lifetime limit, a load balancer restarting). Asked again, the identical request is
+    # answered with that same build: one build on the server, followed to its end.
+    proxy = CuttingProxy(served.port, lose=b"POST /v1/builds")
+    try:
+        proc = kiln_build(served, proxy.url, "--backend", "checkpoint", "--calib-samples", "6", "--calib-seq-len", "64",
+                          "--model-name", "acme/lost-answer")
+    finally:
+        proxy.close()
+    assert proxy.cuts["lost"] == 1, proxy.cuts
+    assert proc.returncode == 0, proc.stderr + served.log("serve")[-3000:]
+    assert "the answer to the submission was cut (RemoteProtocolError); asking again" in proc.stderr
+    builds = httpx.get(f"{served.url}/v1/builds", params={"model": "acme/lost-answer"}).json()
+    assert builds["total"] == 1 and builds["builds"][0]["status"] == "succeeded", builds
     assert "PASSED" in proc.stdout
 
 
