@@ -99,8 +99,14 @@ def test_with_server_the_document_is_one_request_and_each_build_is_reported(tmp_
 
     def client(base_url, timeout, headers):
         c = TestClient(app, headers=headers)
-        post = c.post
-        c.post = lambda url, **kw: posts.append(kw["json"]) or post(url, **kw)
+        request = c.request
+
+        def counted(method, url, **kw):
+            if method == "POST":
+                posts.append(kw["json"])
+            return request(method, url, **kw)
+
+        c.request = counted
         return c
 
     monkeypatch.setattr(api.remote.httpx, "Client", client)
