@@ -155,7 +155,9 @@ def test_keep_alives_hold_a_quiet_stream_open_through_an_idle_timeout_and_timeou
     took = time.monotonic() - t0
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert 16 <= took < 60
-    assert proxy.cuts["idle"] == 0 and 0 < proxy.longest_quiet < 6.0, (proxy.cuts, proxy.longest_quiet)
+    # keep-alives every 5 s: the longest silence stays under the proxy's 10 s idle limit, with room for a server
+    # slowed by the builds the other test worker runs
+    assert proxy.cuts["idle"] == 0 and 0 < proxy.longest_quiet < 9.0, (proxy.cuts, proxy.longest_quiet)
     err = proc.stderr.strip().splitlines()
     assert any(line.strip().startswith("queued: ") and "worker" in line for line in err), proc.stderr
     assert "had not finished after 16s" in err[-1] and "timeout" in err[-1] and "cancel" in err[-1]
