@@ -116,7 +116,7 @@ def accuracy(engine, reference, token_ids: torch.Tensor, seq_len: int, batch: in
     order = stats.fixed_order(len(w))
     planned = plan_looks(len(w), batch) if judged and sequential else [len(w)]
     confidence = stats.look_confidence(planned)
-    sums = {"nll_engine": [], "nll_reference": [], "kl": [], "agree": []}
+    sums: dict[str, list] = {"nll_engine": [], "nll_reference": [], "kl": [], "agree": []}
     done, decisions, intervals = 0, {}, {}
     for look in planned:
         while done < look:

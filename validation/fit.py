@@ -165,7 +165,7 @@ class Traffic:
         end = max(r.arrival_s + self.model.duration(r) for r in self.requests)
         self.window_s = end - start
         # zero-length requests before the first or after the last event widen the window at concurrency 0
-        idle = (events[0][0] - start) + (end - prev) if events else end - start
+        idle = (events[0][0] - start) + (end - prev) if events and prev is not None else end - start
         if idle > 0:
             self.level_time[0] = self.level_time.get(0, 0.0) + idle
         self.arrival_concurrency = [at_arrival.get(i, 0) for i in range(len(self.requests))]

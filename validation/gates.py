@@ -195,7 +195,7 @@ def regression(metrics: dict, conditions: dict, previous: dict | None, gates: di
     elif busy := [f"{who} ({why})" for who, c in (("now", conditions), ("then", prev_cond)) if (why := _busy(c))]:
         record["not_judged"][name] = ("the machine was busy while throughput was measured " + " and ".join(busy)
                                       + ": a CPU timing under contention is no baseline and no evidence")
-    elif cur_point is None or prev_peak <= 0:
+    elif cur_point is None or prev_point is None or prev_peak <= 0:
         record["not_judged"][name] = "the two engines share no measured (batch, sequence) point"
     else:
         drop = (prev_peak - cur_peak) / prev_peak * 100.0

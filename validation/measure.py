@@ -277,7 +277,7 @@ def _cpu_model() -> str | None:
 def _schedstat() -> dict[str, tuple[int, int]]:
     """Per thread of this process: (ns it ran on a CPU, ns it waited runnable for one) — Linux
     ``/proc/self/task/<tid>/schedstat``; empty where the kernel does not provide it."""
-    out = {}
+    out: dict[str, tuple[int, int]] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

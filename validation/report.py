@@ -14,6 +14,7 @@ import json
 import math
 import xml.etree.ElementTree as ET
 from html import escape
+from collections.abc import Sequence
 from typing import Any
 
 from kiln import units
@@ -142,7 +143,7 @@ class _Html(str):
     """A table cell that is markup already, its text parts escaped where it was made."""
 
 
-def _table(headers: list[str], rows: list[list[str]], num_cols: tuple[int, ...] = ()) -> str:
+def _table(headers: list[str], rows: Sequence[Sequence[Any]], num_cols: tuple[int, ...] = ()) -> str:
     """Every cell is escaped, except :class:`_Html` ones: metric values come from the server (``kiln report``)."""
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = []

@@ -491,7 +491,7 @@ class TRTLLMRunner:
         input_len, output_len = TRTLLMRunner.bench_shape(profile, output_tokens)
         run = run or subprocess.run
         own = workdir is None
-        work = Path(tempfile.mkdtemp(prefix="kiln-trtllm-bench-")) if own else Path(workdir)
+        work = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="kiln-trtllm-bench-"))
         work.mkdir(parents=True, exist_ok=True)
         points = []
         try:

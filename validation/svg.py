@@ -14,7 +14,7 @@ FONT = 'font-family="system-ui, sans-serif" font-size="12"'
 COLORS = {"engine": "#2b6cb0", "reference": "#718096", "previous": "#b7791f", "fail": "#c53030", "pass": "#2f855a"}
 
 
-def _num(v: float) -> str:
+def _num(v: float | None) -> str:
     return units.number(v)
 
 
@@ -51,10 +51,10 @@ def vbar_chart(chart_id: str, title: str, labels: list[str], values: list[float]
     return _svg(chart_id, title, height, body)
 
 
-def hbar_chart(chart_id: str, title: str, rows: list[tuple[str, float, str]], *, unit: str = "",
-               note: str = "", fmt: Callable[[float], str] | None = None) -> str:
+def hbar_chart(chart_id: str, title: str, rows: list[tuple[str, float | None, str]], *, unit: str = "",
+               note: str = "", fmt: Callable[[float | None], str] | None = None) -> str:
     """Horizontal bars: rows of (label, value, color name or #hex); each value shown by ``fmt`` (a kiln.units
-    formatter) or as a plain number followed by ``unit``."""
+    formatter) or as a plain number followed by ``unit``. A value of None (not measured) has no bar."""
     top, row_h, left = 30, 28, 190
     height = top + row_h * max(1, len(rows)) + (28 if note else 12)
     plot_w = WIDTH - left - 90

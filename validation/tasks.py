@@ -290,14 +290,14 @@ class RunnerLM(TemplateLM):
         return F.log_softmax(self.runner.logits(x).float().cpu(), dim=-1)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = True, **kwargs) -> list[tuple[float, bool]]:
-        rows = []
+        rows: list[tuple[list[int], list[int]]] = []
         for _, context, continuation in requests:
             if not 0 < len(continuation) <= self.max_len or not context:
                 raise ValueError(f"a continuation of {len(continuation)} tokens does not fit {self.max_len} tokens")
             rows.append(((list(context) + list(continuation))[-(self.max_len + 1):][:-1], list(continuation)))
-        by_input: dict[tuple, list[int]] = {}
-        for i, (inp, _) in enumerate(rows):
-            by_input.setdefault(tuple(inp), []).append(i)
+        by_input: dict[tuple[int, ...], list[int]] = {}
+        for i, (row_input, _) in enumerate(rows):
+            by_input.setdefault(tuple(row_input), []).append(i)
         inputs = sorted(by_input, key=lambda t: (-len(t), t))  # longest first: little padding within a batch
         out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         for start in range(0, len(inputs), self.max_batch):
@@ -380,11 +380,12 @@ def evaluate_lm(lm, task_path: str | Path, *, limit: int | None = None, items: l
                                  log_samples=True, bootstrap_iters=0)
     samples = sorted(out["samples"][task.task_name], key=lambda s: s["doc_id"])
     metric = info["metric"]
-    items = [{"id": _item_ids([s["doc"]], start=s["doc_id"])[0], "correct": bool(s[metric] == 1.0),
-              "score": float(s[metric]), "loglikelihoods": [float(r[0]) for r in s["filtered_resps"]]} for s in samples]
-    n = len(items)
-    return {"task": info["name"], "metric": metric, "items": items, "n": n,
-            "accuracy": sum(i["score"] for i in items) / n if n else 0.0}
+    scored = [{"id": _item_ids([s["doc"]], start=s["doc_id"])[0], "correct": bool(s[metric] == 1.0),
+               "score": float(s[metric]), "loglikelihoods": [float(r[0]) for r in s["filtered_resps"]]}
+              for s in samples]
+    n = len(scored)
+    return {"task": info["name"], "metric": metric, "items": scored, "n": n,
+            "accuracy": sum(float(s[metric]) for s in samples) / n if n else 0.0}
 
 
 def evaluate_task(runner, tokenizer_dir: str | Path, task_path: str | Path, *, max_batch: int, max_len: int,

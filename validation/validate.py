@@ -124,11 +124,13 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
         before_timing()
     # A runner with a runtime of its own (TensorRT-LLM: trtllm-bench, in-flight batching, KV cache) measures its
     # speed itself, in the same shapes; the others are timed here through their forward.
-    own_speed = callable(getattr(engine, "throughput", None))
+    own_throughput, own_latency = getattr(engine, "throughput", None), getattr(engine, "decode_latency", None)
+    own_speed = callable(own_throughput) and callable(own_latency)
     waited: dict = {}
-    if own_speed:
-        metrics["throughput"] = engine.throughput(profile, vocab)
-        latency = engine.decode_latency(profile, vocab)
+    speed_cond: dict[str, object]
+    if callable(own_throughput) and callable(own_latency):
+        metrics["throughput"] = own_throughput(profile, vocab)
+        latency = own_latency(profile, vocab)
         speed_cond = {"method": "the runner's own benchmark", "source": type(engine).__name__}
     else:
         with cpu_wait() as waited:  # how much the timings below waited for a CPU (the regression gate asks)
@@ -138,8 +140,9 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
                       "what": "one forward (prefill) of batch × sequence tokens per run",
                       "statistic": "tokens_per_s: median run; tokens_per_s_best: fastest run"}
     metrics.update(ttft_ms=latency["ttft_ms"], tpot_ms=latency["tpot_ms"], latency=latency["points"])
-    if callable(getattr(engine, "peak_memory", None)):
-        memory = engine.peak_memory(profile, vocab)
+    own_memory = getattr(engine, "peak_memory", None)
+    if callable(own_memory):
+        memory = own_memory(profile, vocab)
     elif engine.kv_cache and str(engine.device).startswith("cuda"):
         memory = {"peak_memory_bytes": None, "conditions": {
             "method": "not measured: this runtime allocates its memory outside torch (KV-cache pool) and its runner "
@@ -231,6 +234,8 @@ def judge_naming(sessions, spec: BuildSpec, data: dict | None, engine, gates: di
             return
     stored = engine.validation or {}
     previous = previous_engine(sessions, spec, engine.build_key, data)
+    if previous is None:  # nothing to regress against: no regression gate can fail
+        return
     _, verdicts = regression(stored.get("metrics") or {}, stored.get("conditions") or {}, previous, gates,
                              override_reason=spec.override_reason)
     failed = [v for v in verdicts if not v["passed"]]
