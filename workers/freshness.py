@@ -34,7 +34,7 @@ class Refresh:
     builds: list[Submitted]
 
 
-def parse_tracked_checkpoint(ref: str) -> tuple[str, str]:
+def parse_tracked_checkpoint(ref: object) -> tuple[str, str]:
     """``(repository, branch)`` of the reference a tracked model follows (kiln/sources.py TRACKED)."""
     return tracked_parts(ref)
 
@@ -138,18 +138,23 @@ def _no_looser(settings: Settings, specs: list, replaced: TrackedModel) -> None:
                                 "history)") from None
 
 
+def _tracked(s: Session, name: str) -> TrackedModel:
+    model = s.get(TrackedModel, name)
+    if model is None:
+        from kiln.errors import ArtifactUnknown
+
+        raise ArtifactUnknown(f"model {name!r} is not tracked", field="model", fix="register it with PUT /v1/models/{model}")
+    return model
+
+
 def refresh_model(settings: Settings, sessions: sessionmaker[Session], name: str, enqueue: Enqueue) -> Refresh:
     """Re-resolve the tracked branch; when it moved, mark stale and build the matrix for the new head."""
     with sessions() as s:
-        model = s.get(TrackedModel, name)
-        if model is None:
-            from kiln.errors import ArtifactUnknown
-
-            raise ArtifactUnknown(f"model {name!r} is not tracked", field="model", fix="register it with PUT /v1/models/{model}")
-        repo, branch = model.hf_repo, model.branch
+        model = _tracked(s, name)
+        repo, branch = str(model.hf_repo), str(model.branch)  # register_model sets both
     head = head_of(settings, repo, branch)
     with sessions() as s:
-        model = s.get(TrackedModel, name)
+        model = _tracked(s, name)  # read again: it may have been unregistered while the branch was read
         old = model.head_sha
         moved = head != old
         if moved:

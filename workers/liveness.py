@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -91,12 +93,11 @@ def probe(home: Path, check: str, now: float | None = None) -> str | None:
     return None
 
 
-def workers_for(workers: Session | list, queue: str) -> tuple[list, list]:
+def workers_for(workers: Session | Sequence[Any], queue: str) -> tuple[list, list]:
     """(live, all) workers that consume ``queue``, from a session or from rows already read (Worker objects or
     rows with ``queues`` and ``last_heartbeat``)."""
-    if isinstance(workers, Session):
-        workers = workers.scalars(select(Worker)).all()
-    rows = [w for w in workers if queue in (w.queues or [])]
+    read = workers.scalars(select(Worker)).all() if isinstance(workers, Session) else workers
+    rows = [w for w in read if queue in (w.queues or [])]
     return [w for w in rows if is_live(w)], rows
 
 

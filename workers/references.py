@@ -40,11 +40,15 @@ def find_engine(session: Session, ref: str, *, field: str = "digest") -> Artifac
         raise ArtifactUnknown(f"no engine's digest starts with {m.group(1)}", field=field, fix=FIX)
     repo, sep, tag = ref.rpartition(":")
     if sep and repo and tag and "/" not in tag:
-        row = session.get(Tag, (repo, tag))
-        if row is None:
+        tagged = session.get(Tag, (repo, tag))
+        if tagged is None:
             raise ArtifactUnknown(f"no tag {ref}: nothing fresh and validated is tagged so in this registry",
                                   field=field, fix=FIX)
-        return session.get(Artifact, row.digest)
+        artifact = session.get(Artifact, tagged.digest)
+        if artifact is None:  # the engine went (gc) between the two reads
+            raise ArtifactUnknown(f"the tag {ref} named {tagged.digest}, which this registry no longer holds",
+                                  field=field, fix=FIX)
+        return artifact
     raise InvalidDigest(f"{ref!r} names no engine", field=field, fix=FIX)
 
 

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from artifacts.interfaces import BlobStore
 from artifacts.push import parse_destination
 from builder.replicate import push_engine
-from kiln.errors import KilnError
+from kiln.errors import ArtifactUnknown, KilnError
 from kiln.tables import Artifact, BuildEvent
 from kiln.settings import Settings
 
@@ -41,6 +41,9 @@ def replicate(settings: Settings, store: BlobStore, sessions: sessionmaker[Sessi
     try:
         with sessions() as s:
             row = s.get(Artifact, digest)
+            if row is None:  # revoked and collected before its push began
+                raise ArtifactUnknown(f"engine {digest} is no longer in this registry", field="digest",
+                                      fix="nothing to replicate")
             repository, tag = row.repository, row.tag
         dest = replication_destination(settings.replicate_to, repository, tag)
         result = push_engine(store, sessions, digest, dest, insecure=settings.replicate_insecure,

@@ -122,7 +122,8 @@ def run_build(build_id: str, settings: Settings, worker_name: str, *, last_try: 
 
     def cancelled() -> bool:
         with sessions() as s2:
-            return bool(s2.get(Build, build_id).cancel_requested)
+            row = s2.get(Build, build_id)
+            return row is None or bool(row.cancel_requested)  # a build whose row is gone has nobody to build for
 
     store = services.store
     builder = Builder(settings, store, sessions, on_event=EventRecorder(sessions, build_id), should_cancel=cancelled)
@@ -149,6 +150,7 @@ def run_build(build_id: str, settings: Settings, worker_name: str, *, last_try: 
     if outcome.status == "succeeded":
         from workers.replication import replicate
 
+        assert outcome.digest is not None  # a succeeded build has its engine
         replicate(settings, store, sessions, build_id, outcome.digest)  # KILN_REPLICATE_TO; never fails the build
         _finish(sessions, build_id, "succeeded", digest=outcome.digest, build_key=outcome.build_key, stages=stages,
                 stage=None)

@@ -5,7 +5,9 @@ or create the build row and ask for its send, which goes when that row commits (
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
@@ -34,7 +36,7 @@ class Submitted:
     artifact: Artifact | None = None
 
 
-def candidate_keys(workers: list, prepared, queue: str) -> set[str]:
+def candidate_keys(workers: Sequence[Any], prepared, queue: str) -> set[str]:
     """BuildKeys the workers serving ``queue`` would compute (live ones first, else any known, else ours)."""
     live, known = workers_for(workers, queue)
     toolchains = [w.capabilities.get("toolchains", {}).get(queue) for w in (live or known)]
@@ -43,7 +45,7 @@ def candidate_keys(workers: list, prepared, queue: str) -> set[str]:
     return keys or {prepared.build_key}
 
 
-def choose_queue(workers: list, spec: BuildSpec) -> str:
+def choose_queue(workers: Sequence[Any], spec: BuildSpec) -> str:
     """The queue for ``spec``: for TensorRT-LLM engines the newest versioned queue (toolchain in the name) that
     a worker serves, else the generic queue, where the build waits for a capable worker."""
     advertised = {q for w in ([w for w in workers if is_live(w)] or workers) for q in (w.queues or [])}
@@ -105,18 +107,18 @@ def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list
     the engines with any of the candidate keys —, never from a process-local cache (a revoke by another API
     process is seen at once). ``reads``: sessions on autocommit connections where the caller has them (the API:
     no transaction for the lookups). The rest are created one by one, each committed before it is enqueued."""
-    builder = Builder(settings, None, sessions)
+    builder = Builder(settings, None, sessions)  # type: ignore[arg-type]  # prepare() reads no blob store
     identified: dict = {}  # this request's checkpoint identities: a matrix identifies each checkpoint once
     prepared = [builder.prepare(spec, check_environment=False, identified=identified)[0] for spec in specs]
     with (reads or sessions)() as session:
-        workers = session.connection().execute(WORKERS).all()  # plain rows: no ORM loading
+        workers: Sequence[Any] = session.connection().execute(WORKERS).all()  # plain rows: no ORM loading
         queues = [choose_queue(workers, spec) for spec in specs]
         candidates = [candidate_keys(workers, p, q) for p, q in zip(prepared, queues)]
-        rows = session.execute(EXISTING, {"keys": sorted(set().union(*candidates))}).all()
-    newest: dict[str, tuple] = {}
+        rows: Sequence[Any] = session.execute(EXISTING, {"keys": sorted(set().union(*candidates))}).all()
+    newest: dict[str, Any] = {}
     for row in rows:  # newest first: the first row of a key is its answer
         newest.setdefault(row.Artifact.build_key, row)
-    answers = []
+    answers: list[Any] = []
     for keys in candidates:
         found = [newest[k] for k in keys if k in newest]
         answers.append(max(found, key=lambda r: r.Artifact.created_at) if found else None)
@@ -125,7 +127,7 @@ def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list
     writes = [spec for spec, row in zip(specs, answers) if row is None or row.Artifact.repository != spec.model_name]
     if writes:
         with (reads or sessions)() as session:
-            tracked = {m.name: m for m in session.execute(TRACKED, {"names": sorted({s.model_name for s in writes})})}
+            tracked = {m.name: m for m in session.execute(TRACKED, {"names": sorted({s.model_name for s in writes if s.model_name})})}
         for spec in writes:
             check_strictness(settings, spec, tracked.get(spec.model_name))
     for spec, p, row in zip(specs, prepared, answers):  # and one named here, by its metrics against ours
@@ -138,7 +140,7 @@ def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list
             continue
         artifact = row.Artifact
         if artifact.repository != spec.model_name:  # the same engine, asked for under another repository
-            artifact = name_in_repository(sessions, artifact.digest, spec.model_name)
+            artifact = name_in_repository(sessions, artifact.digest, str(spec.model_name))  # parse_spec set it
         out.append(Submitted("existing-artifact", row.Build, artifact))
     return out
 

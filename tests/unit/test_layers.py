@@ -1,4 +1,4 @@
-"""The layers, the lint rules and the types, as the tools check them (mypy on kiln/, artifacts/ and validation/): import-linter's contracts in pyproject.toml
+"""The layers, the lint rules and the types, as the tools check them (mypy on kiln/, artifacts/, validation/ and workers/): import-linter's contracts in pyproject.toml
 (``api → workers → builder → artifacts | validation → kiln``; nothing imports the migrations; nothing shipped
 imports the tests; the runners do not import the measurements), and ruff. Each contract is shown to break on a planted violation, in a copy of the tree, so a
 contract that checks nothing fails here."""
@@ -114,7 +114,7 @@ def test_the_command_modules_do_not_import_the_cli_module_that_registers_them():
     assert "api.cli" in imports_of("def f():\n    from api.cli import main\n")  # the check sees a planted one
 
 
-def test_mypy_finds_nothing_in_kiln_artifacts_and_validation():
+def test_mypy_finds_nothing_in_the_packages_it_checks():
     proc = subprocess.run([_tool("mypy"), "--config-file", str(REPO / "pyproject.toml"), "--no-incremental"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -58,3 +58,13 @@ def test_a_reference_that_names_none_or_several_says_so_and_how_to_fix_it(sessio
     with pytest.raises(error) as raised:
         find_engine(session, ref, field="ref")
     assert words in raised.value.message and raised.value.field == "ref" and raised.value.fix
+
+
+def test_a_tag_whose_engine_is_gone_is_unknown_not_none(session):
+    # the tag row and the engine row are read apart: an engine collected between the two reads is an error a
+    # person can read, not None handed to the caller
+    session.add(Tag(repository="acme/tiny", name="fp8-cpu-gone", digest="sha256:" + "9" * 64))
+    session.commit()
+    with pytest.raises(ArtifactUnknown) as raised:
+        find_engine(session, "acme/tiny:fp8-cpu-gone", field="ref")
+    assert "no longer holds" in raised.value.message and raised.value.field == "ref"
