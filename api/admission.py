@@ -84,6 +84,7 @@ def parse_reference(ref: str) -> tuple[str | None, str, str | None, str | None]:
     """``[host[:port]/]repo[:tag][@sha256:…]`` → (host, repository, tag, digest), as container runtimes split
     it (the first component is a host when it has a dot or a colon, or is ``localhost``)."""
     name, _, digest = ref.partition("@")
+    host: str | None
     host, slash, rest = name.partition("/")
     if not slash or not ("." in host or ":" in host or host == "localhost"):
         host, rest = None, name
@@ -353,5 +354,5 @@ def signature_summary(session: Session, digest: str, trusted: set[str]) -> dict[
         Referrer.subject == digest, Referrer.artifact_type.in_(SIGNED_TYPES))).all()
     keys = signed_keys((r.artifact_type, r.annotations) for r in rows)
     good = sorted(keys & trusted)
-    return {"signed": bool(keys), "trusted": bool(good), "key": (good or sorted(keys) or [None])[0],
+    return {"signed": bool(keys), "trusted": bool(good), "key": good[0] if good else min(keys, default=None),
             "keys": sorted(keys)}

@@ -95,7 +95,7 @@ def create_app(settings: Settings | None = None, *, enqueue=None) -> FastAPI:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
     app.router.on_shutdown.append(app.state.bell.close)
     # Everything imported so far (torch among it: the builder's modules import it) lives as long as the
     # process. Out of the collector's sight, a full collection no longer walks those ~250k objects, which

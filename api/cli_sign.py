@@ -33,6 +33,7 @@ def verify(ref: str, key: str | None, server: str | None) -> None:
 
             with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
                 try:
+                    assert key is not None  # refused above without one
                     got = pull_remote(server, ref, Path(tmp) / "engine", verify_keys=keys_from(key))
                 except (DigestMismatch, UnsafeLayer) as exc:
                     raise SignatureInvalid(f"tampered: {exc.message}") from None

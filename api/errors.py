@@ -153,4 +153,5 @@ def framework_error(exc: HTTPException) -> e.KilnError:
         allow = (exc.headers or {}).get("Allow")
         return e.MethodNotAllowed(detail, fix=f"use {allow}" if allow else "see GET /openapi.json",
                                   headers={"Allow": allow} if allow else None)
-    return e.BodyUnreadable(detail, field="body", fix="send a well-formed body", headers=exc.headers)
+    return e.BodyUnreadable(detail, field="body", fix="send a well-formed body",
+                            headers=dict(exc.headers) if exc.headers else None)

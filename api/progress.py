@@ -11,6 +11,7 @@ import re
 import sys
 import threading
 import time
+from typing import Any
 
 import click
 
@@ -38,7 +39,7 @@ class Progress:
         self.step: dict | None = None  # the stage's latest progress event
         self.started_at = 0.0
         self.said_at = 0.0
-        self.live = None
+        self.live: Any = None  # a rich Live line on a terminal, made when the first line is shown
         self.stopped = threading.Event()
 
     def __call__(self, kind: str, data: dict) -> None:

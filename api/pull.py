@@ -294,6 +294,7 @@ def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: i
                     raise UnsafeLayer(f"layer {layer_digest} is verified but not a safe engine archive: "
                                       f"{exc}") from None
                 path.unlink()
+        bundle: bytes | None
         if verify_keys is not None:
             try:
                 bundles, envelopes = get_signatures(client, name, digest)

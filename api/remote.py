@@ -67,7 +67,7 @@ def _follow(client: httpx.Client, build_id: str, progress, say=lambda line: clic
     last, failures, delay = None, 0, FIRST_BACKOFF_S
     while True:
         try:
-            headers = {"Last-Event-ID": last} if last else {}
+            headers: dict[str, str] = {"Last-Event-ID": last} if last else {}
             with connect_sse(client, "GET", f"/v1/builds/{build_id}/events", headers=headers,
                              timeout=httpx.Timeout(10, read=READ_TIMEOUT_S)) as source:
                 status = source.response.status_code
@@ -216,7 +216,8 @@ def remote_matrix(server: str, document: dict, *, wait: bool, progress, on_entry
 
 
 def _outcome(client: httpx.Client, build: dict) -> dict:
-    validation, artifact = {}, None
+    validation: dict = {}
+    artifact = None
     if build.get("digest"):
         r = _send(client, "GET", f"/v1/artifacts/{build['digest']}", what="reading the engine", reached=True)
         if r.status_code == 200:
@@ -267,7 +268,7 @@ def fetch_report_document(server: str, digest: str) -> tuple[dict, str | None]:
     return doc, a.get("status")
 
 
-def remote_resolve(server: str, query: dict[str, str]) -> dict:
+def remote_resolve(server: str, query: dict[str, str | None]) -> dict:
     """``GET /v1/resolve`` on a remote Kiln: the one servable engine's body, or the domain error for why none is
     (404: nothing servable yet, 409: only stale engines or none for the asked runtime; both ArtifactUnknown)."""
     with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:

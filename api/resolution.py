@@ -22,7 +22,7 @@ class Servable:
 
     digest: str
     repository: str
-    tag: str
+    tag: str | None
     status: str
     precision: str
     profile: str
@@ -112,6 +112,7 @@ def resolve_engine(session: Session | Connection, *, model: str, precision: str,
     canonical, err = normalize_target(target)
     if err:
         raise SpecError(err["message"], field="target", fix=err["fix"])
+    assert canonical is not None  # normalize_target answers a target or an error
     wanted = parse_runtime(runtime)
     rows = session.execute(VARIANT, {"model": model, "precision": precision, "profile": profile,
                                      "target": canonical, "backend": backend}).all()
@@ -172,7 +173,7 @@ def servable_grid(session: Session, model: str | None = None) -> list[dict]:
         if not all(isinstance(v, str) and v for v in (precision, target, profile, backend)):
             return
         canonical, err = normalize_target(target)
-        cells.setdefault((precision, canonical if not err else target), set()).add((profile, backend))
+        cells.setdefault((precision, canonical or target), set()).add((profile, backend))  # None: err
 
     for m in session.scalars(select(TrackedModel)):
         if model in (None, m.name):
@@ -196,7 +197,8 @@ def servable_grid(session: Session, model: str | None = None) -> list[dict]:
         rows = []
         for precision in precisions:
             for target in targets:
-                engines, reasons = [], []
+                engines: list[dict] = []
+                reasons: list[dict] = []
                 for profile, backend in sorted(cells.get((precision, target), ())):
                     try:
                         r = resolve_engine(session, model=name, precision=precision, profile=profile, target=target,

@@ -101,7 +101,7 @@ def workers_for(workers: Session | Sequence[Any], queue: str) -> tuple[list, lis
     return [w for w in rows if is_live(w)], rows
 
 
-def waiting_reason(workers: Session | list, queue: str, backend: str, target: str) -> str:
+def waiting_reason(workers: Session | Sequence[Any], queue: str, backend: str | None, target: str | None) -> str:
     live, _ = workers_for(workers, queue)
     if not live:
         return (f"waiting for a worker that builds {backend} engines for {target} (queue {queue}); "

@@ -37,9 +37,10 @@ def create_builds(request: Request, settings: SettingsDep, sessions: SessionsDep
     for result in submit_many(settings, sessions, specs, request.app.state.enqueue,
                               reads=request.app.state.read_sessions):
         created |= result.outcome == "created"
-        if result.outcome == "existing-artifact":
+        if result.artifact is not None:  # existing-artifact
             answers.append(artifact_answer(result.artifact, result.build))
         else:
+            assert result.build is not None  # created or existing-build: the build is the answer
             answers.append(build_read(result.build))
     payload = {"builds": answers} if is_matrix(body) else answers[0]
     return JSONResponse(payload, status_code=202 if created else 200)
