@@ -184,6 +184,30 @@ def test_refreshing_an_untracked_model_names_the_model(env, hub):
     assert broker.sent == []
 
 
+def test_a_model_unregistered_while_its_branch_is_read_is_unknown_and_nothing_is_built(env, hub, monkeypatch):
+    # refresh reads the model, asks the Hub for the branch's head (seconds, outside any transaction), then reads
+    # the model again to move it: a row deleted in between is the same answer as a model never tracked
+    import workers.freshness as freshness
+
+    settings, sessions, broker = env
+    register_model(settings, sessions, NAME, body(), broker)
+    sent = len(broker.sent)
+    read_head = freshness.head_of
+
+    def head_then_gone(*args):
+        head = read_head(*args)
+        with sessions() as s:
+            s.delete(s.get(TrackedModel, NAME))
+            s.commit()
+        return head
+
+    monkeypatch.setattr(freshness, "head_of", head_then_gone)
+    with pytest.raises(ArtifactUnknown) as err:
+        refresh_model(settings, sessions, NAME, broker)
+    assert err.value.field == "model" and NAME in err.value.message
+    assert len(broker.sent) == sent
+
+
 def test_mark_stale_spares_the_head_and_stales_engines_without_a_revision(env, hub, tmp_path):
     settings, sessions, _ = env
     head = _engine_of(settings, sessions, tmp_path / "a", C2)
