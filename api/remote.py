@@ -60,6 +60,15 @@ def _send(client: httpx.Client, method: str, url: str, *, what: str, reached: bo
         delay = min(delay * 2, MAX_BACKOFF_S)
 
 
+def _first(client: httpx.Client, server: str, method: str, url: str, *, what: str, **kw) -> httpx.Response:
+    """A command's first request to ``server`` (:func:`_send`, not yet reached): a server that cannot be had is
+    ``StorageUnavailable`` naming it (exit 3)."""
+    try:
+        return _send(client, method, url, what=what, reached=False, **kw)
+    except httpx.HTTPError as exc:
+        raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
+
+
 def _follow(client: httpx.Client, build_id: str, progress, say=lambda line: click.echo(line, err=True)) -> None:
     """Print stage events until the server says the build ended, through a network that cuts streams: a stream
     that ends or fails is reopened with ``Last-Event-ID`` (no event twice, none lost) after a backoff; when it
@@ -160,10 +169,7 @@ def _state(client: httpx.Client, build_id: str) -> str:
 
 
 def _post(client: httpx.Client, server: str, body: dict) -> dict:
-    try:
-        resp = _send(client, "POST", "/v1/builds", json=body, what="the answer to the submission", reached=False)
-    except httpx.HTTPError as exc:
-        raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
+    resp = _first(client, server, "POST", "/v1/builds", json=body, what="the answer to the submission")
     if resp.status_code not in (200, 202):
         raise _fail(resp)
     return resp.json()
@@ -184,7 +190,7 @@ def _finish(client: httpx.Client, server: str, build: dict, *, wait: bool, progr
 
 def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress, summary,
                  timeout: float | None = None) -> dict:
-    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
+    with _client(server) as client:
         out = _finish(client, server, _post(client, server, spec), wait=wait, progress=progress, timeout=timeout)
     json_line(out) if as_json else summary(out)
     return out
@@ -195,7 +201,7 @@ def remote_matrix(server: str, document: dict, *, wait: bool, progress, on_entry
     """``kiln build -f FILE --server``: the whole document in one request (the server checks every entry before it
     submits any), then each build followed in turn (``timeout``: one deadline for them all). ``on_entry(i, out,
     error)`` is called as each ends; ``error``: the KilnError its outcome maps to (exit_for), or WaitTimedOut."""
-    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
+    with _client(server) as client:
         answer = _post(client, server, document)
         builds = answer["builds"] if "builds" in answer else [answer]
         t0, outs = time.monotonic(), []
@@ -244,6 +250,11 @@ def exit_for(out: dict) -> e.KilnError | None:
     return e.StageFailed(f"the build {out['status']}: {err.get('message', out.get('reason'))}")
 
 
+def _client(server: str) -> httpx.Client:
+    """The HTTP client of one command against ``server``, with ``KILN_TOKEN`` as its bearer token."""
+    return httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers())
+
+
 def _auth_headers() -> dict[str, str]:
     import os
 
@@ -255,11 +266,8 @@ def fetch_report_document(server: str, digest: str) -> tuple[dict, str | None]:
     ``kiln report`` renders from a local index), from ``GET /v1/artifacts/{digest}``."""
     from validation.report import report_document
 
-    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
-        try:
-            resp = _send(client, "GET", f"/v1/artifacts/{digest}", what="reading the engine", reached=False)
-        except httpx.HTTPError as exc:
-            raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
+    with _client(server) as client:
+        resp = _first(client, server, "GET", f"/v1/artifacts/{digest}", what="reading the engine")
     if resp.status_code != 200:
         raise _fail(resp)
     a = resp.json()
@@ -271,12 +279,9 @@ def fetch_report_document(server: str, digest: str) -> tuple[dict, str | None]:
 def remote_resolve(server: str, query: dict[str, str | None]) -> dict:
     """``GET /v1/resolve`` on a remote Kiln: the one servable engine's body, or the domain error for why none is
     (404: nothing servable yet, 409: only stale engines or none for the asked runtime; both ArtifactUnknown)."""
-    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
-        try:
-            resp = _send(client, "GET", "/v1/resolve", params={k: v for k, v in query.items() if v is not None},
-                         what="the resolve request", reached=False)
-        except httpx.HTTPError as exc:
-            raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
+    with _client(server) as client:
+        resp = _first(client, server, "GET", "/v1/resolve", params={k: v for k, v in query.items() if v is not None},
+                      what="the resolve request")
     if resp.status_code == 200:
         return resp.json()
     if resp.status_code in (404, 409):
@@ -289,11 +294,8 @@ def remote_resolve(server: str, query: dict[str, str | None]) -> dict:
 def fetch_support(server: str) -> dict:
     """``GET /v1/support`` on a remote Kiln: the support matrix with what ran where in that server's registry (the
     document ``kiln models --json`` prints)."""
-    with httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers()) as client:
-        try:
-            resp = _send(client, "GET", "/v1/support", what="reading the support matrix", reached=False)
-        except httpx.HTTPError as exc:
-            raise e.StorageUnavailable(f"cannot reach {server}: {exc}", fix="check --server and that kiln api runs") from None
+    with _client(server) as client:
+        resp = _first(client, server, "GET", "/v1/support", what="reading the support matrix")
     if resp.status_code != 200:
         raise _fail(resp)
     return resp.json()
