@@ -72,13 +72,13 @@ def main() -> None:
             spec = parse_spec({"checkpoint": str(ckpt), "precision": RECIPES[recipe].precision, "recipe": recipe,
                                "unquantized_layers": layers,
                                "calibration": {"samples": samples, "seq_len": seq_len}}, [ckpt.parent])
-            ids, seq = eval_tokens(ckpt, eval_text, spec)
+            text = eval_tokens(ckpt, eval_text, spec)
             with tempfile.TemporaryDirectory() as tmp:
                 t = time.perf_counter()
                 record = quantize(ckpt, spec, calib_text, Path(tmp) / "q")
                 q_s = time.perf_counter() - t
                 t = time.perf_counter()
-                m = screen(Path(tmp) / "q", reference, ids, seq, 16)
+                m = screen(Path(tmp) / "q", reference, text, [16] * len(text.lengths))
                 s_s = time.perf_counter() - t
             row = {"model": ckpt.name, "recipe": recipe, "calibration": cal, "unquantized_layers": layers,
                    "ppl_increase_pct": round(m["ppl_increase_pct"], 3), "top1_agreement": round(m["top1_agreement"], 4),

@@ -27,7 +27,7 @@ from validation.gates import TASK_GATE, evaluate
 #: screen judges the window gates; the task gate (evaluation tasks) is judged on the chosen rung's engine.
 ACCURACY_GATES = (*GATE_METRIC, TASK_GATE)
 KEPT_METRICS = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "tokens",
-                "intervals")
+                "intervals", "long_windows")
 
 
 @dataclass
@@ -78,19 +78,21 @@ def screen_dtype(spec: BuildSpec, quantized: Path):
     return get_backend(spec.backend).compute_dtype(spec, quantized)
 
 
-def screen(quantized: Path, reference, ids, seq: int, batch: int, dtype=None, gates: dict | None = None) -> dict:
+def screen(quantized: Path, reference, text, batches: list[int], dtype=None, gates: dict | None = None) -> dict:
     """A rung's accuracy metrics, from its exported checkpoint computed eagerly (in ``dtype``: float32 unless
-    given), against ``reference`` (the reference's stored windows, or its runner); with ``gates``, evaluated
-    sequentially until they are decided, as validation is."""
+    given), against ``reference`` (the reference's stored windows at each length, or its runner) on ``text``
+    (validation.validate.EvalText); with ``gates``, evaluated sequentially until they are decided, as validation
+    is, at every window length."""
     import torch
 
-    from validation.measure import accuracy
+    from validation.accuracy import accuracy_at_lengths
     from validation.runners import CheckpointRunner
 
-    return accuracy(CheckpointRunner(quantized / "hf", dtype or torch.float32), reference, ids, seq, batch, gates)
+    return accuracy_at_lengths(CheckpointRunner(quantized / "hf", dtype or torch.float32), reference, text.ids,
+                               text.lengths, batches, gates, convention=text.convention)
 
 
-def climb(spec: BuildSpec, rungs: list[str], gates: dict[str, float], reference, ids, seq: int, batch: int,
+def climb(spec: BuildSpec, rungs: list[str], gates: dict[str, float], reference, text, batches: list[int],
           quantize: Callable[[BuildSpec], tuple[str, Path, float]],
           on_rung: Callable[[dict], None] = lambda r: None) -> tuple[Rung | None, list[Rung]]:
     """Screen ``rungs`` in order: ``quantize(rung_spec)`` → (its quantize key, its output dir, seconds). Returns
@@ -100,7 +102,7 @@ def climb(spec: BuildSpec, rungs: list[str], gates: dict[str, float], reference,
     for name in rungs:
         qkey, qdir, q_seconds = quantize(spec.with_recipe(name))
         t = time.perf_counter()
-        metrics = screen(qdir, reference, ids, seq, batch, screen_dtype(spec, qdir), judged)
+        metrics = screen(qdir, reference, text, batches, screen_dtype(spec, qdir), judged)
         rung = Rung(name, qkey, qdir, metrics, evaluate(metrics, judged),
                     {"quantize": round(q_seconds, 3), "screen": round(time.perf_counter() - t, 3)}, "screen")
         tried.append(rung)

@@ -39,6 +39,7 @@ from kiln.toolchain import lm_eval_version, toolchain_for
 from validation.gates import effective_gates
 from validation.runners import open_engine, open_reference, reference_dtype
 from validation.reference import Reference, compute_reference, layout as reference_layout
+from validation.accuracy import window_batch
 from validation.validate import eval_tokens, judge_naming, previous_engine, validate
 
 STAGES = ("resolve", "quantize", "compile", "validate", "publish")
@@ -259,7 +260,8 @@ class Builder:
         rest = spec.rungs[1:]
         if rest and not ladder_stage.accuracy_passed(report):
             tried = [ladder_stage.Rung.validated(first.recipe_name, p.quantize_key, report, time.perf_counter() - t)]
-            ids, seq = eval_tokens(p.resolved.local_dir, p.eval_text, spec)
+            text = eval_tokens(p.resolved.local_dir, p.eval_text, spec)
+            batches = [window_batch(min(spec.batch_profile.max_batch_size, 16), seq, vocab) for seq in text.lengths]
 
             def quantize(rung: BuildSpec):
                 self._check_cancel()
@@ -269,8 +271,7 @@ class Builder:
                     p.resolved.local_dir, rung, p.calib_text, out))
                 return key, qdir, time.perf_counter() - t0
 
-            chosen, more = ladder_stage.climb(spec, rest, p.gates, reference.windows, ids, seq,
-                                              min(spec.batch_profile.max_batch_size, 16), quantize,
+            chosen, more = ladder_stage.climb(spec, rest, p.gates, reference.sets, text, batches, quantize,
                                               on_rung=lambda r: self.on_event("rung", r))
             tried += more
             best = chosen or min(tried, key=ladder_stage.Rung.ppl)

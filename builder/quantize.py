@@ -28,6 +28,7 @@ from kiln.kvcache import KV_CACHES
 from kiln.progress import report
 from kiln.recipes import AUTO, RECIPES
 from kiln.spec import BuildSpec
+from validation.text import calibration_rows, convention_of, stream
 
 log = logging.getLogger(__name__)
 #: files of the source checkpoint the unified export carries over when ModelOpt does not write them
@@ -74,12 +75,13 @@ def quant_config(recipe: str, kv_cache: str, unquantized_layers: tuple[int, ...]
 
 
 def calibration_batches(tokenizer, text: str, samples: int, seq_len: int) -> torch.Tensor:
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
-    need = samples * seq_len
-    if len(ids) < need:
-        raise SpecError(f"the calibration text has {len(ids)} tokens, {samples}×{seq_len} = {need} needed",
-                        field="calibration.samples", fix="lower calibration.samples or seq_len, or give a longer text")
-    return ids[:need].view(samples, seq_len)
+    """``samples`` rows of ``seq_len`` tokens, each as the checkpoint's tokenizer starts a text (its BOS first where
+    it adds one: validation/text.py), so calibration sees the activations the served model sees."""
+    try:
+        return calibration_rows(stream(tokenizer, text), samples, seq_len, convention_of(tokenizer))
+    except ValueError as exc:
+        raise SpecError(f"the calibration text has {exc}", field="calibration.samples",
+                        fix="lower calibration.samples or seq_len, or give a longer text") from None
 
 
 def _device(spec: BuildSpec) -> str:
@@ -167,7 +169,8 @@ def quantize(checkpoint_dir: Path, spec: BuildSpec, calib_text: str, out_dir: Pa
         "precision": spec.precision, "recipe": recipe, "modelopt_config": RECIPES[recipe].modelopt_config,
         "unquantized_layers": list(spec.unquantized_layers), "kv_cache": spec.kv_cache, "device": device,
         "family": family.name,
-        "calibration": {**spec.calibration.model_dump(), "tokens": int(batches.numel())},
+        "calibration": {**spec.calibration.model_dump(), "tokens": int(batches.numel()),
+                        "text": convention_of(tokenizer).as_dict(tokenizer)},
         "quantized_linears": quantized, "exports": ["hf"],
         "seconds": {"load": round(t1 - t0, 3), "calibrate": round(t2 - t1, 3), "export": round(t3 - t2, 3)},
         "log": library_log.getvalue().splitlines()[-50:],

@@ -38,7 +38,10 @@ from kiln.spec import BuildSpec
 #    (kiln/hfmodel.LogitsOnly); engine.json's ``output.dtype`` says which.
 # 10: aot-inductor engines look rotary cos/sin up in tables made at export (kiln/hfmodel.tabulate_rotary), rounded
 #     to the compute dtype as transformers rounds them, instead of recomputing them unrounded in every layer.
-RECIPE_VERSION = "kiln-recipe-10"
+# 11: calibration and evaluation text goes through the checkpoint's tokenizer as runtimes send it (its BOS first in
+#     every window where it adds one, never scored: validation/text.py); accuracy is evaluated at the evaluation's
+#     window length and at the profile's max_seq_len.
+RECIPE_VERSION = "kiln-recipe-11"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str,

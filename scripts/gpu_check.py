@@ -249,10 +249,10 @@ def trtllm_validate_step(spec, engine_dir: Path, reference_dir: Path, eval_text:
 
     runner = TRTLLMRunner(engine_dir)
     try:
-        ids, seq = eval_tokens(reference_dir, eval_text, spec)
+        text = eval_tokens(reference_dir, eval_text, spec)
         batch = min(spec.batch_profile.max_batch_size, 16)
         t = time.perf_counter()
-        metrics = accuracy(runner, open_reference(reference_dir), ids, seq, batch)
+        metrics = accuracy(runner, open_reference(reference_dir), text.ids, text.seq, batch, convention=text.convention)
         accuracy_s = time.perf_counter() - t
         metrics["throughput"] = runner.throughput(spec.batch_profile)
         metrics["decode_latency"] = runner.decode_latency(spec.batch_profile)

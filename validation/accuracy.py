@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from kiln.progress import report
 from validation import stats
 from validation.runners import LogitsHead
+from validation.text import Convention, cut
 
 #: sequential evaluation: at least this share of the windows (and this many) before the first look
 FLOOR_FRACTION, FLOOR_MIN = 0.125, 16
@@ -35,10 +36,20 @@ GATE_METRIC = {"max_ppl_increase_pct": "ppl_increase_pct", "max_mean_kl": "mean_
                "min_top1_agreement": "top1_agreement"}
 
 
-def windows(token_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Non-overlapping windows of ``seq_len + 1`` tokens (inputs plus the shifted targets)."""
-    n = (len(token_ids) - 1) // seq_len
-    return torch.stack([token_ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
+#: the most logits (floats) one forward of the accuracy pass may hold: a window batch is cut to fit
+#: (Gemma 3's 262,144-token vocabulary × 512 positions is 134 M floats a window)
+LOGITS_BUDGET = 1 << 27
+
+
+def windows(token_ids: torch.Tensor, seq_len: int, convention: Convention = Convention()) -> torch.Tensor:
+    """Windows of ``seq_len + 1`` tokens (inputs plus the shifted targets), the tokenizer's prefix first
+    (validation/text.py)."""
+    return cut(token_ids, seq_len, convention)
+
+
+def window_batch(batch: int, seq_len: int, vocab: int) -> int:
+    """``batch`` windows a forward, fewer where their logits would pass :data:`LOGITS_BUDGET`."""
+    return max(1, min(batch, LOGITS_BUDGET // max(1, seq_len * vocab)))
 
 
 @dataclass
@@ -68,10 +79,11 @@ class ReferenceWindows:
         return cls(int(meta["seq_len"]), np.load(folder / "hidden.npy", mmap_mode="r"), head)
 
 
-def reference_windows(reference, token_ids: torch.Tensor, seq_len: int, batch: int) -> ReferenceWindows:
+def reference_windows(reference, token_ids: torch.Tensor, seq_len: int, batch: int,
+                      convention: Convention = Convention()) -> ReferenceWindows:
     """Run the reference runner (a :class:`~validation.runners.TransformersRunner`) over every window of
     ``token_ids``, keeping its final hidden states."""
-    w = windows(token_ids, seq_len)
+    w = windows(token_ids, seq_len, convention)
     hidden = []
     for i in range(0, len(w), batch):
         report("reference window", min(i + batch, len(w)), len(w))
@@ -79,10 +91,12 @@ def reference_windows(reference, token_ids: torch.Tensor, seq_len: int, batch: i
     return ReferenceWindows(seq_len, torch.cat(hidden).numpy(), reference.head())
 
 
-def _window_sums(le: torch.Tensor, lr: torch.Tensor, y: torch.Tensor) -> dict:
-    """Per window: the engine's and the reference's summed NLL, KL(reference ‖ engine) and top-1 agreement.
-    Per token in float32 (the logits' own precision: a per-token KL is off by ~1e-7, against gates of 1e-2),
-    summed over tokens in float64."""
+def _window_sums(le: torch.Tensor, lr: torch.Tensor, y: torch.Tensor, skip: int = 0) -> dict:
+    """Per window: the engine's and the reference's summed NLL, KL(reference ‖ engine) and top-1 agreement over
+    its scored positions (all but the first ``skip``: targets that are the tokenizer's prefix). Per token in
+    float32 (the logits' own precision: a per-token KL is off by ~1e-7, against gates of 1e-2), summed over tokens
+    in float64."""
+    le, lr, y = le[:, skip:], lr[:, skip:], y[:, skip:]
     lpe, lpr = F.log_softmax(le.float(), -1), F.log_softmax(lr.float(), -1)
     return {"nll_engine": -lpe.gather(-1, y[..., None])[..., 0].double().sum(-1),
             "nll_reference": -lpr.gather(-1, y[..., None])[..., 0].double().sum(-1),
@@ -98,12 +112,15 @@ def plan_looks(total: int, batch: int) -> list[int]:
 
 
 def accuracy(engine, reference, token_ids: torch.Tensor, seq_len: int, batch: int,
-             gates: dict[str, float] | None = None, *, sequential: bool = True) -> dict:
+             gates: dict[str, float] | None = None, *, sequential: bool = True,
+             convention: Convention = Convention()) -> dict:
     """Perplexity of engine and reference, top-1 agreement and mean per-token KL(reference ‖ engine), each with
     its paired interval and minimum detectable change. ``reference``: a :class:`ReferenceWindows`, or a runner
     (computed here). With ``gates`` (and ``sequential``), evaluation stops at the first planned look where every
-    accuracy gate among them is decided; ``decisions`` holds each gate's decision there."""
-    w = windows(token_ids, seq_len)
+    accuracy gate among them is decided; ``decisions`` holds each gate's decision there. ``convention``: the
+    tokenizer's prefix, first in every window and never scored (validation/text.py)."""
+    w = windows(token_ids, seq_len, convention)
+    scored = seq_len - convention.skip
     if isinstance(reference, ReferenceWindows):
         if len(w) != len(reference) or reference.seq_len != seq_len:
             raise ValueError(f"the reference holds {len(reference)} windows of {reference.seq_len} tokens, the text "
@@ -123,17 +140,17 @@ def accuracy(engine, reference, token_ids: torch.Tensor, seq_len: int, batch: in
             rows = order[done : min(done + batch, look)]
             report("evaluation window", done + len(rows), len(w))
             chunk = w[rows]
-            part = _window_sums(engine.logits(chunk[:, :-1]), reference_logits(rows), chunk[:, 1:])
+            part = _window_sums(engine.logits(chunk[:, :-1]), reference_logits(rows), chunk[:, 1:], convention.skip)
             for k, v in part.items():
                 sums[k].extend(v.tolist())
             done += len(rows)
-        per_window = {**{k: np.asarray(v) for k, v in sums.items()}, "tokens": np.full(done, seq_len, dtype=np.float64)}
+        per_window = {**{k: np.asarray(v) for k, v in sums.items()}, "tokens": np.full(done, scored, dtype=np.float64)}
         intervals = stats.window_intervals(per_window, confidence)
         decisions = {g: stats.decide(g, intervals[m], intervals[m].value, t) for g, t in judged.items()
                      for m in (GATE_METRIC[g],)}
         if judged and stats.settled(list(decisions.values())):
             break
-    count = done * seq_len
+    count = done * scored
     nll_e, nll_r = float(np.sum(sums["nll_engine"])), float(np.sum(per_window["nll_reference"]))
     ppl, ref_ppl = _exp(nll_e / count), _exp(nll_r / count)
     return {
@@ -141,7 +158,7 @@ def accuracy(engine, reference, token_ids: torch.Tensor, seq_len: int, batch: in
         "ppl_increase_pct": intervals["ppl_increase_pct"].value if math.isfinite(ppl) else math.inf,
         "top1_agreement": intervals["top1_agreement"].value,
         "mean_kl": intervals["mean_kl"].value if math.isfinite(intervals["mean_kl"].value) else math.inf,
-        "tokens": count, "seq_len": seq_len,
+        "tokens": count, "seq_len": seq_len, "positions": [0, seq_len - 1], "windows": done,
         "intervals": {m: intervals[m].as_dict() for m in WINDOW_METRICS},
         "mde": stats.window_mde(per_window),
         "sequential": {"windows": done, "of": len(w), "looks": planned, "confidence_per_look": confidence,
@@ -156,3 +173,30 @@ def _exp(x: float) -> float:
         return math.exp(x)
     except OverflowError:
         return math.inf
+
+
+def accuracy_at_lengths(engine, references, token_ids: torch.Tensor, lengths: list[int], batches: list[int],
+                        gates: dict[str, float] | None = None, *, sequential: bool = True,
+                        convention: Convention = Convention()) -> dict:
+    """:func:`accuracy` at each window length of ``lengths`` (the evaluation's own, then the longer ones up to the
+    profile's ``max_seq_len``: positions short windows never reach — a sliding window's edge, a long-context rope
+    base). The first length's metrics are the report's headline; each longer length's are in ``long_windows``,
+    judged by the same gates (validation/gates.py gives each its verdicts). Once the first length fails a gate the
+    longer ones are not evaluated: the engine is rejected either way. ``references``: one
+    :class:`ReferenceWindows` per length, or a reference runner."""
+    def ref(i: int):
+        return references[i] if isinstance(references, (list, tuple)) else references
+
+    out = accuracy(engine, ref(0), token_ids, lengths[0], batches[0], gates, sequential=sequential,
+                   convention=convention)
+    out["long_windows"] = []
+    for i, seq_len in enumerate(lengths[1:], 1):
+        if stats.FAIL in out["sequential"]["decisions"].values():
+            out["long_windows"].append({"seq_len": seq_len, "evaluated": False,
+                                        "why": f"the {lengths[0]}-token windows failed a gate"})
+            continue
+        more = accuracy(engine, ref(i), token_ids, seq_len, batches[i], gates, sequential=sequential,
+                        convention=convention)
+        more.pop("per_window")
+        out["long_windows"].append({**more, "evaluated": True})
+    return out

@@ -94,7 +94,8 @@ def evaluate(metrics: dict, gates: dict[str, float]) -> list[dict]:
     """One verdict per gate of ``gates`` except the regression gates (see :func:`regression`):
     {name, threshold, value, passed, decision[, interval, confidence]}. An accuracy gate with a paired interval in
     ``metrics["intervals"]`` is decided on it (pass / fail / undecided; undecided does not pass); the others on
-    their value. The task gate gives one verdict per task of ``metrics["tasks"]`` (none without tasks). A missing
+    their value. The task gate gives one verdict per task of ``metrics["tasks"]`` (none without tasks), and each
+    window gate one more per longer window length of ``metrics["long_windows"]`` (with its ``seq_len``). A missing
     memory figure counts as infinite (it never passes)."""
     values = {
         "max_ppl_increase_pct": metrics.get("ppl_increase_pct"),
@@ -116,6 +117,15 @@ def evaluate(metrics: dict, gates: dict[str, float]) -> list[dict]:
         value = values[name]
         value = math.inf if value is None else value
         verdicts.append(_verdict(name, threshold, value, intervals.get(GATE_METRIC.get(name, ""))))
+    for longer in metrics.get("long_windows") or []:  # the same accuracy gates at each longer window length
+        if not longer.get("evaluated"):
+            continue
+        for name, threshold in gates.items():
+            if (metric := GATE_METRIC.get(name)) is not None:
+                value = longer.get(metric)
+                verdicts.append({**_verdict(name, threshold, math.inf if value is None else value,
+                                            (longer.get("intervals") or {}).get(metric)),
+                                 "seq_len": longer["seq_len"]})
     return verdicts
 
 

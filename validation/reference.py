@@ -20,7 +20,8 @@ import torch
 from kiln.spec import BuildSpec
 from validation.accuracy import ReferenceWindows, reference_windows
 from validation.runners import LogitsHead
-from validation.validate import eval_tokens, task_limits
+from validation.text import RULE as TEXT_RULE
+from validation.validate import eval_lengths, eval_tokens, task_limits
 
 #: the reference runner has no shape limits: it runs at this batch whatever the engine's profile (results do not
 #: depend on the batch beyond float rounding)
@@ -29,15 +30,25 @@ REFERENCE_BATCH = 16
 
 @dataclass
 class Reference:
-    windows: ReferenceWindows
+    windows: ReferenceWindows  # at the evaluation's window length
     #: task file digest → the reference's outcomes (validation.tasks.evaluate_task's return value)
     tasks: dict[str, dict] = field(default_factory=dict)
     seconds: float = 0.0
+    #: at each longer window length (validation/validate.eval_lengths), in order
+    long: list[ReferenceWindows] = field(default_factory=list)
+
+    @property
+    def sets(self) -> list[ReferenceWindows]:
+        """The windows at every evaluated length, the evaluation's own first."""
+        return [self.windows, *self.long]
 
     def save(self, folder: Path) -> dict:
         self.windows.save(folder)
+        for windows in self.long:
+            windows.save(folder / f"seq-{windows.seq_len}")
         (folder / "tasks.json").write_text(json.dumps(self.tasks, sort_keys=True))
-        record = {"seconds": round(self.seconds, 3), "windows": len(self.windows), "tasks": len(self.tasks)}
+        record = {"seconds": round(self.seconds, 3), "windows": len(self.windows), "tasks": len(self.tasks),
+                  "long": [w.seq_len for w in self.long]}
         (folder / "reference.json").write_text(json.dumps(record, sort_keys=True))
         return record
 
@@ -45,16 +56,18 @@ class Reference:
     def load(cls, folder: Path, checkpoint_dir: Path) -> "Reference":
         """The stored results, with the LM head read from the checkpoint (validation/accuracy.py)."""
         meta = json.loads((folder / "reference.json").read_text())
-        return cls(ReferenceWindows.load(folder, LogitsHead.load(checkpoint_dir)),
-                   json.loads((folder / "tasks.json").read_text()), meta["seconds"])
+        head = LogitsHead.load(checkpoint_dir)
+        return cls(ReferenceWindows.load(folder, head), json.loads((folder / "tasks.json").read_text()),
+                   meta["seconds"], [ReferenceWindows.load(folder / f"seq-{n}", head) for n in meta.get("long", [])])
 
 
 def layout(spec: BuildSpec, dtype: torch.dtype = torch.float32) -> dict:
     """The evaluation's shape and what the reference computes in (validation/runners.reference_dtype), which its
-    results depend on (part of the reference key)."""
-    seq = min(spec.evaluation.seq_len, spec.batch_profile.max_seq_len)
-    out = {"seq_len": seq, "max_tokens": spec.evaluation.max_tokens, "kept": "final hidden states, float32",
-           "computed_in": str(dtype).removeprefix("torch.")}
+    results depend on (part of the reference key): window lengths, the text convention's rule."""
+    lengths = eval_lengths(spec)
+    out = {"seq_len": lengths[0], "lengths": lengths, "max_tokens": spec.evaluation.max_tokens,
+           "kept": "final hidden states, float32", "computed_in": str(dtype).removeprefix("torch."),
+           "text": TEXT_RULE}
     if spec.evaluation.tasks:
         out["task_max_len"] = task_limits(spec)[1]
     return out
@@ -62,10 +75,12 @@ def layout(spec: BuildSpec, dtype: torch.dtype = torch.float32) -> dict:
 
 def compute_reference(runner, checkpoint_dir: Path, eval_text: str, spec: BuildSpec,
                       tasks: dict[str, Path] | None = None) -> Reference:
-    """Run the reference ``runner`` over the evaluation windows and ``tasks`` (digest → task file)."""
+    """Run the reference ``runner`` over the evaluation windows at every length and ``tasks`` (digest → task
+    file)."""
     t = time.perf_counter()
-    ids, seq = eval_tokens(checkpoint_dir, eval_text, spec)
-    windows = reference_windows(runner, ids, seq, REFERENCE_BATCH)
+    text = eval_tokens(checkpoint_dir, eval_text, spec)
+    sets = [reference_windows(runner, text.ids, seq, max(1, REFERENCE_BATCH * text.seq // seq), text.convention)
+            for seq in text.lengths]
     outcomes = {}
     if tasks:
         from validation.tasks import evaluate_task
@@ -74,4 +89,4 @@ def compute_reference(runner, checkpoint_dir: Path, eval_text: str, spec: BuildS
         for digest, path in tasks.items():
             outcomes[digest] = evaluate_task(runner, checkpoint_dir, Path(path), max_batch=REFERENCE_BATCH,
                                              max_len=max_len)
-    return Reference(windows, outcomes, time.perf_counter() - t)
+    return Reference(sets[0], outcomes, time.perf_counter() - t, sets[1:])

@@ -6,6 +6,7 @@ engine of the same target) and ``conditions`` (what produced each figure)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -15,29 +16,74 @@ from kiln import units
 from kiln.errors import SpecError, ValidationFailed
 from kiln.kvcache import DEFAULT_KV_CACHE
 from kiln.spec import BuildSpec
+from validation.accuracy import GATE_METRIC, accuracy_at_lengths, window_batch
 from validation.gates import MEMORY_GATE, TASK_GATE, evaluate, judged_gates, regression
-from validation.measure import (accuracy, conditions, cpu_wait, decode_latency, peak_memory, throughput,
+from validation.measure import (conditions, cpu_wait, decode_latency, peak_memory, throughput,
                                 throughput_point)
 from validation import stats
 from validation.runners import Runner
+from validation.text import Convention, convention_of, load_tokenizer, stream, window_count
 
+ACCURACY_GATES = (*GATE_METRIC, TASK_GATE)
 PREVIOUS_STATUSES = ("fresh", "stale")  # validated and not withdrawn (stale: built from an older checkpoint head)
 RECHECK_REPS = 9
 #: evaluation fields two engines may differ in and still be compared (the data enters through its digests)
 UNCOMPARED = ("dataset", "tasks", "sequential")
 
 
-def eval_tokens(tokenizer_dir: Path, text: str, spec: BuildSpec) -> tuple[torch.Tensor, int]:
-    from transformers import AutoTokenizer
+@dataclass
+class EvalText:
+    """The held-out text as the checkpoint's tokenizer gives it (validation/text.py) and the window lengths it is
+    evaluated at."""
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-    seq = min(spec.evaluation.seq_len, spec.batch_profile.max_seq_len)
-    ids = ids[: spec.evaluation.max_tokens + 1]
-    if len(ids) < seq + 1:
-        raise SpecError(f"the evaluation text has {len(ids)} tokens, at least {seq + 1} needed",
-                        field="evaluation.dataset", fix="give a longer held-out text")
-    return ids, seq
+    ids: torch.Tensor  # the text's tokens, without the tokenizer's special tokens
+    convention: Convention
+    lengths: list[int]  # window lengths: the evaluation's own, then the profile's max_seq_len where longer
+    text: dict  # the convention as the report records it
+
+    @property
+    def seq(self) -> int:
+        return self.lengths[0]
+
+
+#: a longer window length is evaluated on at least this many windows (fewer: the text is too short for it)
+MIN_LONG_WINDOWS = 2
+
+
+def eval_lengths(spec: BuildSpec) -> list[int]:
+    """The evaluation's window length and, where longer, the profile's ``max_seq_len``: the positions the engine
+    will serve, past a sliding window shorter than that."""
+    longest = spec.batch_profile.max_seq_len
+    short = min(spec.evaluation.seq_len, longest)
+    return [short] + ([longest] if longest > short else [])
+
+
+def eval_tokens(tokenizer_dir: Path, text: str, spec: BuildSpec, tokenizer=None) -> EvalText:
+    tokenizer = tokenizer or load_tokenizer(tokenizer_dir)
+    convention = convention_of(tokenizer)
+    ids = stream(tokenizer, text)[: spec.evaluation.max_tokens + 1]
+    lengths = eval_lengths(spec)
+    need = {seq: (1 if seq == lengths[0] else MIN_LONG_WINDOWS) for seq in lengths}
+    for seq, windows in need.items():
+        if window_count(len(ids), seq, convention) < windows:
+            have = f"{len(ids)} tokens (evaluation.max_tokens {spec.evaluation.max_tokens})"
+            raise SpecError(f"the evaluation text has {have}: {windows} window(s) of {seq} tokens need "
+                            f"{windows * seq + 1}", field="evaluation.dataset",
+                            fix="give a longer held-out text or raise evaluation.max_tokens, or a profile with a "
+                                "shorter max_seq_len")
+    return EvalText(ids, convention, lengths, convention.as_dict(tokenizer))
+
+
+def sliding_window(checkpoint_dir: Path) -> int | None:
+    """The checkpoint's sliding attention window (config.json), where its layers have one."""
+    import json
+
+    try:
+        config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) is not False else None
+    return int(window) if isinstance(window, int) and window > 0 else None
 
 
 def eval_batch(spec: BuildSpec) -> int:
@@ -114,21 +160,33 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
 
     if not isinstance(reference, Reference):
         reference = compute_reference(reference, tokenizer_dir, eval_text, spec, tasks)
-    ids, seq = eval_tokens(tokenizer_dir, eval_text, spec)
+    text = eval_tokens(tokenizer_dir, eval_text, spec)
     profile = spec.batch_profile
     batch = eval_batch(spec)
-    metrics = accuracy(engine, reference.windows, ids, seq, batch, gates, sequential=spec.evaluation.sequential)
+    batches = [window_batch(batch, seq, vocab) for seq in text.lengths]
+    metrics = accuracy_at_lengths(engine, reference.sets, text.ids, text.lengths, batches, gates,
+                                  sequential=spec.evaluation.sequential, convention=text.convention)
     if tasks:
         metrics["tasks"] = task_accuracy(engine, reference, tokenizer_dir, spec, tasks, threshold=gates.get(TASK_GATE))
+    accuracy_verdicts = evaluate(metrics, {k: t for k, t in gates.items() if k in ACCURACY_GATES})
+    failed_accuracy = [v for v in accuracy_verdicts if not v["passed"]]
     if before_timing is not None:
         before_timing()
     # A runner with a runtime of its own (TensorRT-LLM: trtllm-bench, in-flight batching, KV cache) measures its
-    # speed itself, in the same shapes; the others are timed here through their forward.
+    # speed itself, in the same shapes; the others are timed here through their forward. An engine that failed an
+    # accuracy gate is not timed at all: it is rejected whatever its speed (a ladder moves on at once).
     own_throughput, own_latency = getattr(engine, "throughput", None), getattr(engine, "decode_latency", None)
     own_speed = callable(own_throughput) and callable(own_latency)
     waited: dict = {}
     speed_cond: dict[str, object]
-    if callable(own_throughput) and callable(own_latency):
+    if failed_accuracy:
+        skipped = "not measured: the engine failed its accuracy gates (" + ", ".join(
+            sorted({v["name"] for v in failed_accuracy})) + ")"
+        metrics["throughput"], latency = [], {"ttft_ms": None, "tpot_ms": None, "points": [],
+                                              "conditions": {"method": skipped}}
+        speed_cond = {"method": skipped}
+        memory = {"peak_memory_bytes": None, "conditions": {"method": skipped}}
+    elif callable(own_throughput) and callable(own_latency):
         metrics["throughput"] = own_throughput(profile, vocab)
         latency = own_latency(profile, vocab)
         speed_cond = {"method": "the runner's own benchmark", "source": type(engine).__name__}
@@ -140,8 +198,9 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
                       "what": "one forward (prefill) of batch × sequence tokens per run",
                       "statistic": "tokens_per_s: median run; tokens_per_s_best: fastest run"}
     metrics.update(ttft_ms=latency["ttft_ms"], tpot_ms=latency["tpot_ms"], latency=latency["points"])
-    own_memory = getattr(engine, "peak_memory", None)
-    if callable(own_memory):
+    if failed_accuracy:
+        pass
+    elif callable(own_memory := getattr(engine, "peak_memory", None)):
         memory = own_memory(profile, vocab)
     elif engine.kv_cache and str(engine.device).startswith("cuda"):
         memory = {"peak_memory_bytes": None, "conditions": {
@@ -154,7 +213,11 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
 
     judged, sources = judged_gates(gates, spec.target)
     not_judged = {}
-    if metrics["peak_memory_bytes"] is None and MEMORY_GATE not in gates:
+    if failed_accuracy:  # speed and memory were not measured: they are not judged (the build fails on accuracy)
+        for name in [g for g in judged if g not in ACCURACY_GATES]:
+            judged.pop(name)
+            not_judged[name] = speed_cond["method"]
+    elif metrics["peak_memory_bytes"] is None and MEMORY_GATE not in gates:
         judged.pop(MEMORY_GATE)
         not_judged[MEMORY_GATE] = memory["conditions"]["method"]
     if TASK_GATE in judged and not metrics.get("tasks"):
@@ -164,15 +227,22 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
     def remeasure(b: int, s: int) -> float:
         return throughput_point(engine, b, s, vocab, warmup=1, reps=RECHECK_REPS)["tokens_per_s_best"]
 
-    record, more = regression(metrics, cond, previous, judged, remeasure=None if own_speed else remeasure,
-                              override_reason=getattr(spec, "override_reason", None))
+    if failed_accuracy:
+        record, more = regression(metrics, cond, None, judged, override_reason=getattr(spec, "override_reason", None))
+        record["not_judged"] = {k: speed_cond["method"] for k in record["not_judged"]}
+    else:
+        record, more = regression(metrics, cond, previous, judged, remeasure=None if own_speed else remeasure,
+                                  override_reason=getattr(spec, "override_reason", None))
     verdicts += more
     return {
         "passed": all(v["passed"] for v in verdicts), "metrics": metrics, "gates": verdicts, "regression": record,
         "not_judged": {**not_judged, **record["not_judged"]},
         "conditions": {
             **cond, "eval_batch": batch,
-            "accuracy": {"tokens": metrics["tokens"], "seq_len": seq, "batch": batch,
+            "accuracy": {"tokens": metrics["tokens"], "seq_len": text.seq, "batch": batches[0],
+                         "lengths": [{"seq_len": seq, "batch": b, "positions": [0, seq - 1]}
+                                     for seq, b in zip(text.lengths, batches)],
+                         "sliding_window": sliding_window(tokenizer_dir), "text": text.text,
                          "reference": "transformers, float32", "reference_seconds": reference.seconds,
                          "statistic": "paired over the evaluated windows; intervals by bootstrap over windows",
                          "sequential": {k: v for k, v in metrics["sequential"].items() if k != "decisions"}},

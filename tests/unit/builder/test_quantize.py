@@ -166,6 +166,8 @@ def test_quantize_record(fp8_export, nvfp4_export):
         assert record["precision"] == precision and record["kv_cache"] == "none"
         assert record["device"] == "cpu" and record["family"] == "llama"
         assert record["exports"] == ["hf"]
+        text = record["calibration"].pop("text")  # the tiny model's tokenizer adds no BOS: nothing before a text
+        assert text["prefix"] == [] and text["rule"].startswith("tokenizer-special-tokens")
         assert record["calibration"] == {"dataset": "kiln:calibration", "samples": 8, "seq_len": 64, "tokens": 512}
         assert record["quantized_linears"] == 4 * len(LINEARS)
         assert set(record["seconds"]) == {"load", "calibrate", "export"}
