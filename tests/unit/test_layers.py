@@ -1,4 +1,4 @@
-"""The layers, the lint rules and the types, as the tools check them (mypy on every layer but builder/): import-linter's contracts in pyproject.toml
+"""The layers, the lint rules and the types, as the tools check them (mypy on every layer): import-linter's contracts in pyproject.toml
 (``api → workers → builder → artifacts | validation → kiln``; nothing imports the migrations; nothing shipped
 imports the tests; the runners do not import the measurements), and ruff. Each contract is shown to break on a planted violation, in a copy of the tree, so a
 contract that checks nothing fails here."""
