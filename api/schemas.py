@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from kiln.tables import Artifact, Build
-from kiln.spec import BuildSpec
 
 
 def build_read(b: Build, *, reason: str | None = None, cache_hit: bool = False) -> dict:
@@ -32,10 +31,6 @@ def artifact_answer(a: Artifact, producer: Build | None) -> dict:
 
 def artifact_read(a: Artifact) -> dict:
     return {**a.summary(), "provenance": a.provenance, "validation": a.validation}
-
-
-def spec_schema() -> dict:
-    return BuildSpec.model_json_schema()
 
 
 def _iso(ts) -> str | None:

@@ -18,8 +18,9 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
+from typing import cast
 
-from sqlalchemy import delete, update
+from sqlalchemy import CursorResult, delete, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -48,9 +49,10 @@ class StageClaims:
                 return True
             except IntegrityError:
                 s.rollback()
-            taken = s.execute(update(StageClaim).where(StageClaim.key == key, StageClaim.expires_at < _now())
-                              .values(holder=self.holder, expires_at=expires)
-                              .execution_options(synchronize_session=False)).rowcount
+            result = s.execute(update(StageClaim).where(StageClaim.key == key, StageClaim.expires_at < _now())
+                               .values(holder=self.holder, expires_at=expires)
+                               .execution_options(synchronize_session=False))
+            taken = cast(CursorResult, result).rowcount  # an UPDATE's result is a cursor result: it has a row count
             s.commit()
             return bool(taken)
 

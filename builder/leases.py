@@ -25,9 +25,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
-from sqlalchemy import delete, or_, select, update
+from sqlalchemy import CursorResult, delete, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.interfaces import BlobInfo, BlobStore, Survey
@@ -112,7 +112,8 @@ def absolve(sessions: sessionmaker[Session], digest: str, holder: str) -> None:
 
 def purge_expired(sessions: sessionmaker[Session]) -> int:
     with sessions() as s:
-        n = s.execute(delete(BlobLease).where(BlobLease.expires_at <= _now())).rowcount
+        result = s.execute(delete(BlobLease).where(BlobLease.expires_at <= _now()))
+        n = cast(CursorResult, result).rowcount  # a DELETE's result is a cursor result: it has a row count
         s.commit()
     return n
 

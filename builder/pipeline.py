@@ -11,7 +11,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, cast
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -92,9 +93,15 @@ class Prepared:
     build_key: str
     request_key: str
     #: the spec the first stages build: ``spec`` itself, or with ``--recipe auto`` its ladder's first rung
-    first: BuildSpec | None = None
+    first: BuildSpec
     #: evaluation task files by content digest
     tasks: dict = field(default_factory=dict)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """The checkpoint's local directory: set for every source once ``resolved`` is materialized, which a build
+        does before any stage that reads the weights."""
+        return cast(Path, self.resolved.local_dir)
 
 
 def evaluation_tasks(spec: BuildSpec, roots) -> dict:
@@ -145,7 +152,7 @@ class Builder:
         eval_text, eval_digest = load_text(spec.evaluation.dataset, field="evaluation.dataset", roots=roots)
         toolchain = toolchain_for(spec.backend, spec.target)
         gates = effective_gates(spec.precision, spec.gates)
-        data = {"calibration": calib_digest, "evaluation": eval_digest}
+        data: dict[str, Any] = {"calibration": calib_digest, "evaluation": eval_digest}
         tasks = evaluation_tasks(spec, roots)
         if tasks:
             data["tasks"] = list(tasks)
@@ -166,7 +173,7 @@ class Builder:
         p, _ = self.prepare(spec, check_environment=False)
         try:
             get_backend(spec.backend).check_environment(spec)
-            environment = {"ready": True}
+            environment: dict[str, Any] = {"ready": True}
         except KilnError as exc:
             environment = {"ready": False, "reason": str(exc)}
         qdir = self.stage_cache.path("quantize", p.quantize_key)
@@ -201,7 +208,8 @@ class Builder:
         if existing is not None:
             if existing.repository != spec.model_name:  # another repository's engine: judged, then named here too
                 judge_naming(self.sessions, spec, p.data, existing, p.gates)
-                existing = name_in_repository(self.sessions, existing.digest, spec.model_name)
+                repository = cast(str, spec.model_name)  # parse_spec sets it
+                existing = name_in_repository(self.sessions, existing.digest, repository)
             stages += [StageRecord(n, "cached") for n in STAGES[1:]]
             for s in stages[1:]:
                 self._finished(s)
@@ -213,11 +221,11 @@ class Builder:
         first = p.first
         qdir, _ = self._stage("quantize", lambda: self.stage_cache.get(
             "quantize", p.quantize_key,
-            lambda out: quantize_stage.quantize(p.resolved.local_dir, first, p.calib_text, out)), stages)
+            lambda out: quantize_stage.quantize(p.checkpoint_dir, first, p.calib_text, out)), stages)
         self._check_cancel()
         cdir, _ = self._stage("compile", lambda: self.stage_cache.get(
             "compile", p.compile_key,
-            lambda out: backend.compile(first, qdir, out, checkpoint_dir=p.resolved.local_dir)), stages)
+            lambda out: backend.compile(first, qdir, out, checkpoint_dir=p.checkpoint_dir)), stages)
         self._check_cancel()
         with ThreadPoolExecutor(1, thread_name_prefix="kiln-layer-survey") as ahead:
             # publishing's first read of the engine layer (its digest), made beside validation's accuracy pass
@@ -250,7 +258,7 @@ class Builder:
         vocab = int(p.model_config["vocab_size"])
 
         def check(built: BuildSpec, engine_dir, hook=None) -> dict:
-            return validate(open_engine(spec.backend, engine_dir), reference, p.resolved.local_dir, p.eval_text, built,
+            return validate(open_engine(spec.backend, engine_dir), reference, p.checkpoint_dir, p.eval_text, built,
                             p.gates, vocab, previous=previous_engine(self.sessions, spec, p.build_key, p.data),
                             engine_source=(spec.backend, engine_dir), before_timing=hook, tasks=p.tasks)
 
@@ -260,7 +268,7 @@ class Builder:
         rest = spec.rungs[1:]
         if rest and not ladder_stage.accuracy_passed(report):
             tried = [ladder_stage.Rung.validated(first.recipe_name, p.quantize_key, report, time.perf_counter() - t)]
-            text = eval_tokens(p.resolved.local_dir, p.eval_text, spec)
+            text = eval_tokens(p.checkpoint_dir, p.eval_text, spec)
             batches = [window_batch(min(spec.batch_profile.max_batch_size, 16), seq, vocab) for seq in text.lengths]
 
             def quantize(rung: BuildSpec):
@@ -268,7 +276,7 @@ class Builder:
                 key = quantize_key(p.resolved.digest, rung, p.toolchain, p.data["calibration"], p.data.get("rebuild"))
                 t0 = time.perf_counter()
                 qdir, _ = self.stage_cache.get("quantize", key, lambda out: quantize_stage.quantize(
-                    p.resolved.local_dir, rung, p.calib_text, out))
+                    p.checkpoint_dir, rung, p.calib_text, out))
                 return key, qdir, time.perf_counter() - t0
 
             chosen, more = ladder_stage.climb(spec, rest, p.gates, reference.sets, text, batches, quantize,
@@ -279,10 +287,12 @@ class Builder:
                 built = spec.with_recipe(best.recipe)
                 self._check_cancel()
                 key = compile_key(best.quantize_key, built, p.toolchain)
+                quantized = cast(Path, best.quantized)  # a rung the climb quantized (only the first has none)
                 built_dir, _ = self.stage_cache.get("compile", key, lambda out: backend.compile(
-                    built, best.quantized, out, checkpoint_dir=p.resolved.local_dir))
+                    built, quantized, out, checkpoint_dir=p.checkpoint_dir))
                 report = check(built, built_dir)
-        reference = None  # frees its hidden states before publish (check() closes over the name)
+        # frees its hidden states before publish (check() closes over the name)
+        reference = None  # type: ignore[assignment]
         report["recipe"] = {"requested": spec.recipe_name, "built": built.recipe_name,
                             **({"ladder": [r.record() for r in tried]} if tried else {})}
         report["conditions"]["accuracy"]["reference_cache"] = reference_record
@@ -296,8 +306,8 @@ class Builder:
         dtype = reference_dtype(p.model_config)  # this worker's CPU computes it: its bf16 units decide
         key = reference_key(p.resolved.digest, spec, toolchain, p.data, reference_layout(spec, dtype))
         folder, produced = self.stage_cache.get("reference", key, lambda out: compute_reference(
-            open_reference(p.resolved.local_dir, dtype), p.resolved.local_dir, p.eval_text, spec, p.tasks).save(out))
-        reference = Reference.load(folder, p.resolved.local_dir)
+            open_reference(p.checkpoint_dir, dtype), p.checkpoint_dir, p.eval_text, spec, p.tasks).save(out))
+        reference = Reference.load(folder, p.checkpoint_dir)
         return reference, {"key": key, "reused": produced is None, "seconds_to_compute": reference.seconds}
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -320,7 +330,7 @@ class Builder:
 
     def _progress_sink(self, stage: str, t0: float):
         """Turns :func:`kiln.progress.report` calls inside a stage into ``progress`` events."""
-        last = {"step": None, "at": -1e9}
+        last: dict[str, Any] = {"step": None, "at": -1e9}
 
         def sink(what: str, i: int | None, n: int | None) -> None:
             now = time.perf_counter()

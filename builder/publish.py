@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -108,6 +109,7 @@ def _num(value) -> str:
 def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path, *, spec: BuildSpec,
             build_key: str, provenance: dict, validation: dict, request_key: str | None = None,
             layer_survey: Survey | None = None, signer: Signer | None = None) -> Artifact:
+    repository = cast(str, spec.model_name)  # parse_spec sets it: the checkpoint's name unless the spec names one
     passed = bool(validation.get("passed"))
     annotations = annotations_for(spec, build_key, provenance, passed)
     labels = {k: v for k, v in annotations.items() if k.startswith(ANNOTATION_PREFIX)}
@@ -117,17 +119,17 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
     ref_digest = push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
                                artifact_type=PROVENANCE_TYPE, payload=payload, payload_media_type=PROVENANCE_TYPE,
                                annotations=ref_annotations, title="provenance.json")
-    report = to_json(report_document(image.digest, repository=spec.model_name, tag=tag_for(spec),
+    report = to_json(report_document(image.digest, repository=repository, tag=tag_for(spec),
                                      provenance=provenance, validation=validation)).encode()
     report_digest = push_referrer(store, descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size),
                                   artifact_type=REPORT_TYPE, payload=report, payload_media_type=REPORT_TYPE,
                                   annotations=ref_annotations, title="report.json")
     signed = sign_engine(store, signer or configured_signer(), manifest_digest=image.digest, manifest_size=image.size,
                          layer_digests=[layer.digest for layer in image.layers], engine_dir=engine_dir,
-                         repository=spec.model_name, provenance=provenance, validation=validation,
+                         repository=repository, provenance=provenance, validation=validation,
                          annotations=ref_annotations)
     row = Artifact(
-        digest=image.digest, build_key=build_key, request_key=request_key, repository=spec.model_name, tag=tag_for(spec),
+        digest=image.digest, build_key=build_key, request_key=request_key, repository=repository, tag=tag_for(spec),
         precision=spec.precision, target=spec.target,
         profile=spec.batch_profile.name, backend=spec.backend, checkpoint_ref=spec.checkpoint,
         checkpoint_digest=provenance["checkpoint"]["digest"], checkpoint_revision=provenance["checkpoint"]["revision"],
@@ -137,7 +139,7 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
         try:  # any statement may meet the same key published first (autoflush): all of it is in the try
             # stale: the tracked branch moved while this engine was building
             row.status = initial_artifact_status(
-                passed=passed, stale=is_stale_now(session, spec.model_name, provenance["checkpoint"]["revision"]))
+                passed=passed, stale=is_stale_now(session, repository, provenance["checkpoint"]["revision"]))
             if row.status == "rejected":
                 row.status_reason = rejection_reason(validation)
             add_artifact(session, row, reason=f"published {build_key}")  # a fresh engine takes its tag
@@ -145,25 +147,25 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
             # The head may have moved after the read above and before this transaction began to write (its
             # mark_stale then did not see this row): read it again, now that the row is written and the model's
             # row held, so that one of the two transactions always sees the other.
-            if row.status == "fresh" and is_stale_now(session, spec.model_name, row.checkpoint_revision, lock=True):
+            if row.status == "fresh" and is_stale_now(session, repository, row.checkpoint_revision, lock=True):
                 move_artifact(session, row, "stale", reason=f"the tracked branch moved while {build_key} published")
-            session.add(Referrer(digest=ref_digest, subject=image.digest, repository=spec.model_name,
+            session.add(Referrer(digest=ref_digest, subject=image.digest, repository=repository,
                                  artifact_type=PROVENANCE_TYPE, size=store.stat(ref_digest).size,
                                  annotations=ref_annotations))
-            session.add(Referrer(digest=report_digest, subject=image.digest, repository=spec.model_name,
+            session.add(Referrer(digest=report_digest, subject=image.digest, repository=repository,
                                  artifact_type=REPORT_TYPE, size=store.stat(report_digest).size,
                                  annotations=ref_annotations))
             for ref in signed:  # the engine files' signature and the signed provenance (builder/attest.py)
-                session.add(Referrer(subject=image.digest, repository=spec.model_name, **ref))
+                session.add(Referrer(subject=image.digest, repository=repository, **ref))
             session.commit()
             return row
         except IntegrityError:  # someone published the same key first: theirs answers (named here too)
             session.rollback()
             theirs = session.scalars(select(Artifact).where(Artifact.build_key == build_key)).one()
-    if theirs.repository == spec.model_name:
+    if theirs.repository == repository:
         return theirs
     judge_naming(sessions, spec, provenance.get("data"), theirs, provenance.get("gates") or {})
-    return name_in_repository(sessions, theirs.digest, spec.model_name)
+    return name_in_repository(sessions, theirs.digest, repository)
 
 
 def name_in_repository(sessions: sessionmaker[Session], digest: str, repository: str) -> Artifact:

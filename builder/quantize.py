@@ -91,7 +91,10 @@ def _device(spec: BuildSpec) -> str:
 def load_source_model(checkpoint_dir: Path, device: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype="auto").to(device).eval()
+    # typed as the torch module it is: transformers wraps Module.to (functools.wraps), whose stub then wants the model
+    # as the first argument
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype="auto")
+    return model.to(device).eval()
 
 
 def save_calibration(model, out: Path) -> None:

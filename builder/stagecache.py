@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import BinaryIO, cast
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -217,7 +218,7 @@ class StageCache:
             out.mkdir()
             reader = HashingReader(self.store.open_range(digest))
             try:
-                unpack_tar(reader, out)
+                unpack_tar(cast(BinaryIO, reader), out)  # a binary file object
                 reader.drain()
             finally:
                 reader.close()
@@ -242,7 +243,7 @@ class StageCache:
     def _upload(self, stage: str, key: str, final: Path) -> None:
         if self.store is None:
             return
-        info = self.store.put_source(lambda: ChunkReader(tar_chunks(final)))
+        info = self.store.put_source(lambda: cast(BinaryIO, ChunkReader(tar_chunks(final))))  # a binary file object
         with self.sessions() as s:
             s.add(StageOutput(key=key, stage=stage, digest=info.digest, size=info.size, created_at=_now(),
                               last_used_at=_now()))

@@ -55,10 +55,6 @@ DEFAULT_KV_CACHE = "none"
 KV_SCALE_SUFFIXES = tuple(dict.fromkeys(s for k in KV_CACHES.values() for s in k.scale_suffixes))
 
 
-def get_kv_cache(name: str) -> KVCache:
-    return KV_CACHES[name]
-
-
 def kv_cache_error(value: object) -> dict | None:
     """The spec error (field ``kv_cache``, with its fix) for a value no descriptor has; None for a known one."""
     if value in KV_CACHES:

@@ -226,7 +226,3 @@ FORMATS: dict[str, QuantFormat] = {f.quant_algo: f for f in (
                 ("weight_scale", "weight_scale_2", "input_scale")),
     QuantFormat("W4A16_NVFP4", "nvfp4", dequantize_nvfp4, "none", None, ("weight_scale", "weight_scale_2")),
 )}
-
-
-def get_precision(name: str) -> Precision:
-    return PRECISIONS[name]

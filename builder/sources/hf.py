@@ -6,6 +6,7 @@ tracked model follows) is the commit it names now."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 from builder.sources.base import Access, ResolvedCheckpoint, SourceIO, read_config_file, too_big
 from kiln.digests import sha256_json
@@ -25,7 +26,7 @@ def _hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE).resolve()
 
 
-def _inside_hub_cache(path: Path, repo: str, revision: str) -> Path:
+def _inside_hub_cache(path: Path, repo: str, revision: str | None) -> Path:
     """``path`` (in a snapshot folder) must lie inside the Hub cache, its folder named by a commit sha."""
     cache = _hub_cache()
     snapshot = path.parent if path.name == "config.json" else path
@@ -35,13 +36,13 @@ def _inside_hub_cache(path: Path, repo: str, revision: str) -> Path:
     return snapshot
 
 
-def _not_found(repo: str, revision: str) -> CheckpointNotFound:
+def _not_found(repo: str, revision: str | None) -> CheckpointNotFound:
     # one answer for every missing or unusable revision: which files exist on the server is nobody's business
     hint = "download it once online, or unset HF_HUB_OFFLINE" if _offline() else "check the repo name and revision"
     return CheckpointNotFound(f"{repo}@{revision}: no checkpoint (config.json) found", field="checkpoint", fix=hint)
 
 
-def _hf_error(exc: Exception, repo: str, revision: str) -> Exception:
+def _hf_error(exc: Exception, repo: str, revision: str | None) -> Exception:
     """huggingface_hub's exceptions as Kiln's: a missing repo, revision or file (or unusable cache contents)
     is one 422; the Hub failing or unreachable is a 503."""
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
@@ -113,7 +114,7 @@ def materialize(resolved: ResolvedCheckpoint, access: Access) -> Path:
 
 def latest(ref: str, access: Access) -> str:
     """The commit the reference's branch names now (its size is not judged here: the builds it starts judge it)."""
-    return _identify(ref, None).revision
+    return cast(str, _identify(ref, None).revision)  # _identify's revision is the commit sha it found
 
 
 IO = SourceIO(identify, materialize, latest)

@@ -1,10 +1,11 @@
-"""The layers, the lint rules and the types, as the tools check them (mypy on every layer but builder/): import-linter's contracts in pyproject.toml
+"""The layers, the lint rules and the types, as the tools check them (mypy on every layer): import-linter's contracts in pyproject.toml
 (``api → workers → builder → artifacts | validation → kiln``; nothing imports the migrations; nothing shipped
 imports the tests; the runners do not import the measurements), and ruff. Each contract is shown to break on a planted violation, in a copy of the tree, so a
 contract that checks nothing fails here."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -129,3 +130,15 @@ def test_mypy_finds_a_planted_type_error(tmp_path):
     proc = subprocess.run([_tool("mypy"), "--config-file", str(tmp_path / "pyproject.toml"), "--no-incremental",
                            "kiln"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "return-value" in proc.stdout, proc.stdout
+
+
+def test_ci_runs_the_fast_checks_first_then_the_readme_test_command():
+    """.ci/run fails fast: scripts/check.sh (the three tools above, seconds) is its first step, before the services,
+    the system tools and the full install; its last line is README's second command as README writes it."""
+    steps = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+             if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    commands = re.findall(r"```bash\n(.*?)\n```", (REPO / "README.md").read_text(), flags=re.S)
+    assert "scripts/check.sh" in steps[0], steps
+    assert steps[-1] == commands[1], (steps[-1], commands[1])
+    check = (REPO / "scripts" / "check.sh").read_text()
+    assert all(f"run {tool} " in check for tool in ("ruff", "lint-imports", "mypy"))
