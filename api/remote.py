@@ -299,3 +299,26 @@ def fetch_support(server: str) -> dict:
     if resp.status_code != 200:
         raise _fail(resp)
     return resp.json()
+
+
+#: what ``GET /v1/keys`` answers as PEM (every trusted key, the signing key first)
+PEM_TYPE = "application/x-pem-file"
+
+
+def fetch_public_keys(server: str) -> list[str]:
+    """The public keys of a remote Kiln as PEM blocks, its signing key first (``GET /v1/keys`` with
+    ``Accept: application/x-pem-file``)."""
+    with _client(server) as client:
+        resp = _first(client, server, "GET", "/v1/keys", headers={"Accept": PEM_TYPE}, what="reading the keys")
+    if resp.status_code != 200:
+        raise _fail(resp)
+    if not resp.headers.get("content-type", "").startswith(PEM_TYPE):  # a Kiln older than this client: JSON
+        try:
+            return [k["public_key"] for k in sorted(resp.json()["keys"], key=lambda k: not k.get("signing"))]
+        except (ValueError, KeyError, TypeError):
+            raise e.KilnError(f"{server} answered GET /v1/keys with neither PEM nor its JSON") from None
+    text = resp.text
+    blocks = ["-----BEGIN" + part for part in text.split("-----BEGIN")[1:]]
+    if not blocks:
+        raise e.KilnError(f"{server} answered GET /v1/keys with no PEM key")
+    return [b if b.endswith("\n") else b + "\n" for b in blocks]

@@ -1,0 +1,94 @@
+"""The ``--server`` commands against the API in process (httpx.Client replaced by a TestClient of a real app and
+SQLite index; no build runs): ``--dry-run`` plans on the server and queues nothing, ``--no-wait`` says the build's
+id and where to follow it, ``kiln keys public`` never makes a key and reads a server's, and a wrong ``--server`` or
+token is one line naming what to change, exit 2, before anything is sent."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from tests.conftest import REPO, TINY
+
+BOOT = "kiln_bootstrap_for_cli_remote_tests_0123456789"
+SPEC = [str(TINY), "--backend", "checkpoint", "--calib-samples", "8"]
+MATRIX = (f"defaults:\n  checkpoint: {TINY}\n  backend: checkpoint\n  calibration: {{samples: 8}}\n"
+          "matrix:\n  - precision: fp8\n  - precision: nvfp4\n")
+
+
+class Server:
+    """A Kiln API in process, reached by every httpx.Client api.remote makes (its base_url kept, as a real
+    client's: a wrong path below the root reaches the app as it would reach a server)."""
+
+    def __init__(self, tmp_path, monkeypatch, **settings):
+        import api.remote
+        from api.app import create_app
+        from kiln import db
+        from kiln.settings import Settings
+
+        self.settings = Settings(home=tmp_path / "server", checkpoint_roots=str(REPO), **settings)
+        db.upgrade(self.settings.db_url)
+        self.queued: list = []
+        self.app = create_app(self.settings, enqueue=lambda *a: self.queued.append(a))
+        self.requests: list[tuple[str, str]] = []
+
+        def client(base_url, timeout, headers):
+            c = TestClient(self.app, base_url=base_url, headers=headers)
+            request = c.request
+
+            def counted(method, url, **kw):
+                self.requests.append((method, url))
+                return request(method, url, **kw)
+
+            c.request = counted  # type: ignore[method-assign]
+            return c
+
+        monkeypatch.setattr(api.remote.httpx, "Client", client)
+
+    def builds(self) -> int:
+        from kiln.tables import Build
+
+        with self.app.state.sessions() as s:
+            return s.scalar(select(func.count()).select_from(Build))
+
+
+def kiln(*args: str):
+    from api.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kiln: error: "), result.stderr
+    return lines[0]
+
+
+# -- 3. kiln keys public never makes a key -----------------------------------------------------------------------
+def test_keys_public_without_a_key_says_so_and_makes_none(tmp_path, monkeypatch, _isolated_home):
+    monkeypatch.delenv("KILN_SIGNING_KEY", raising=False)
+    result = kiln("keys", "public")
+    assert result.exit_code == 2 and result.stdout == ""
+    line = one_line(result)
+    assert "KILN_SIGNING_KEY" in line and "kiln keys public --server" in line
+    assert not (_isolated_home / "keys").exists()
+    assert kiln("keys", "public", "--trusted").exit_code == 2 and not (_isolated_home / "keys").exists()
+
+
+def test_keys_public_with_server_prints_the_servers_signing_key(tmp_path, monkeypatch, _isolated_home):
+    from artifacts.signing import configured_signer
+
+    server = Server(tmp_path, monkeypatch)
+    result = kiln("keys", "public", "--server", "http://kiln")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == configured_signer(server.settings).public_pem.decode()
+    assert not (_isolated_home / "keys").exists()  # the server's key, not one made here
+    r = TestClient(server.app).get("/v1/keys", headers={"Accept": "application/x-pem-file"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-pem-file")
+    assert r.text == result.stdout
+    assert TestClient(server.app).get("/v1/keys").json()["keys"][0]["signing"] is True  # JSON otherwise
