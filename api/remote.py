@@ -17,14 +17,55 @@ from kiln import errors as e
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
+def server_root(server: str) -> str:
+    """``--server`` checked before any request: an http(s) URL of the service root (``http://host:8000``), not a
+    path below it. A URL without its scheme would be retried as if the network failed; one ending in ``/v1``
+    would ask for ``/v1/v1/…``. SpecError naming ``--server`` and the fix (exit 2)."""
+    from urllib.parse import urlsplit
+
+    text = server.strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        fix = f"--server http://{text}" if "://" not in text else "--server http://host:8000 (http:// or https://)"
+        raise e.SpecError(f"--server {server!r} is not an http:// or https:// URL", field="server", fix=fix)
+    path = parts.path.rstrip("/")
+    if path.rsplit("/", 1)[-1] in ("v1", "v2"):
+        root = f"{parts.scheme}://{parts.netloc}{path.rsplit('/', 1)[0]}"
+        raise e.SpecError(f"--server {server} ends in /{path.rsplit('/', 1)[-1]}: --server is the service root, "
+                          "without /v1", field="server", fix=f"--server {root}")
+    return text.rstrip("/")
+
+
 def _fail(resp: httpx.Response) -> e.KilnError:
     try:
         err = resp.json().get("error", {})
     except ValueError:
         err = {"message": resp.text[:200]}
+    if not isinstance(err, dict):
+        err = {}
+    code, message = err.get("code"), err.get("message", f"HTTP {resp.status_code}")
+    if resp.status_code == 401:  # the token the CLI sent (KILN_TOKEN), or none: the caller's to fix, exit 2
+        import os
+
+        if os.environ.get("KILN_TOKEN"):
+            return e.Unauthorized(f"the server refused the token in KILN_TOKEN ({message})", field="KILN_TOKEN",
+                                  fix="set KILN_TOKEN to a valid token (an admin mints one with POST /v1/tokens)")
+        return e.Unauthorized(f"the server requires a token ({message})", field="KILN_TOKEN",
+                              fix="set KILN_TOKEN to a token (an admin mints one with POST /v1/tokens)")
+    if resp.status_code == 403 and code == "forbidden":
+        return e.Forbidden(f"the token in KILN_TOKEN may not do this ({message})", field="KILN_TOKEN",
+                           fix=f"set KILN_TOKEN to a token that may: {err.get('fix') or 'ask an admin'}")
+    if resp.status_code == 404 and code == "endpoint_unknown":
+        try:
+            what = resp.request.url.path
+        except RuntimeError:  # a response made without its request
+            what = "such path"
+        return e.EndpointUnknown(f"the server has no {what}", field="server",
+                                 fix="--server is the Kiln service root (http://host:8000), without /v1 or a path "
+                                     "the service does not have")
     by_status = {422: e.SpecError, 400: e.InvalidDigest, 404: e.ArtifactUnknown, 409: e.BuildCancelled}
     cls = by_status.get(resp.status_code, e.StorageUnavailable if resp.status_code >= 500 else e.KilnError)
-    return cls(err.get("message", f"HTTP {resp.status_code}"), field=err.get("field"), fix=err.get("fix"))
+    return cls(message, field=err.get("field"), fix=err.get("fix"))
 
 
 #: the stream is read with this timeout: the server sends a keep-alive comment every 5 s, so a read that waits
@@ -252,7 +293,7 @@ def exit_for(out: dict) -> e.KilnError | None:
 
 def _client(server: str) -> httpx.Client:
     """The HTTP client of one command against ``server``, with ``KILN_TOKEN`` as its bearer token."""
-    return httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers())
+    return httpx.Client(base_url=server_root(server), timeout=60, headers=_auth_headers())
 
 
 def _auth_headers() -> dict[str, str]:

@@ -92,3 +92,42 @@ def test_keys_public_with_server_prints_the_servers_signing_key(tmp_path, monkey
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-pem-file")
     assert r.text == result.stdout
     assert TestClient(server.app).get("/v1/keys").json()["keys"][0]["signing"] is True  # JSON otherwise
+
+
+# -- 5. a wrong --server or token --------------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ("build", *SPEC, "--no-wait"), ("build", *SPEC, "--dry-run"), ("report", "sha256:" + "a" * 64),
+    ("resolve", "acme/tiny", "--precision", "fp8", "--target", "h100", "--profile", "latency"), ("models",), ("keys", "public"), ("pull", "acme/tiny@sha256:" + "a" * 64, "out"),
+])
+def test_a_server_without_its_scheme_is_refused_at_once_naming_the_fix(tmp_path, monkeypatch, args):
+    server = Server(tmp_path, monkeypatch)
+    t0 = time.monotonic()
+    result = kiln(*args, "--server", "127.0.0.1:8731")
+    assert result.exit_code == 2 and time.monotonic() - t0 < 5
+    line = one_line(result)
+    assert "--server" in line and "--server http://127.0.0.1:8731" in line
+    assert server.requests == []
+
+
+def test_a_server_ending_in_v1_is_refused_as_not_the_service_root(tmp_path, monkeypatch):
+    server = Server(tmp_path, monkeypatch)
+    result = kiln("build", *SPEC, "--server", "http://kiln:8000/v1", "--no-wait")
+    assert result.exit_code == 2
+    line = one_line(result)
+    assert "service root, without /v1" in line and "--server http://kiln:8000)" in line
+    assert server.requests == [] and server.builds() == 0
+
+
+@pytest.mark.parametrize("token,words", [("kiln_wrong", "refused the token in KILN_TOKEN"),
+                                         (None, "requires a token")])
+def test_a_wrong_or_missing_token_is_exit_2_naming_kiln_token(tmp_path, monkeypatch, token, words):
+    server = Server(tmp_path, monkeypatch, auth="required", bootstrap_token=BOOT)
+    if token:
+        monkeypatch.setenv("KILN_TOKEN", token)
+    else:
+        monkeypatch.delenv("KILN_TOKEN", raising=False)
+    result = kiln("build", *SPEC, "--server", "http://kiln", "--no-wait")
+    assert result.exit_code == 2, result.output
+    line = one_line(result)
+    assert words in line and "set KILN_TOKEN to" in line
+    assert server.builds() == 0
