@@ -237,6 +237,20 @@ def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress
     return out
 
 
+def remote_plan(server: str, document: dict) -> dict:
+    """``kiln build --server URL --dry-run``: the server's plan of ``document`` (``POST /v1/builds/plan``: each
+    spec's keys, cache state and what its submission would do); nothing is submitted."""
+    with _client(server) as client:
+        resp = _first(client, server, "POST", "/v1/builds/plan", json=document, what="the plan")
+    if resp.status_code in (404, 405):  # a Kiln older than this client: it has no plan route (and queued nothing)
+        raise e.InvalidRequest(f"{server} does not plan builds (POST /v1/builds/plan: HTTP {resp.status_code}; a "
+                               "Kiln older than this client)", field="dry_run",
+                               fix="upgrade the server, or drop --server to plan here")
+    if resp.status_code != 200:
+        raise _fail(resp)
+    return resp.json()
+
+
 def remote_matrix(server: str, document: dict, *, wait: bool, progress, on_entry,
                   timeout: float | None = None) -> list[dict]:
     """``kiln build -f FILE --server``: the whole document in one request (the server checks every entry before it

@@ -69,6 +69,53 @@ def one_line(result) -> str:
     return lines[0]
 
 
+# -- 1. --dry-run never submits ----------------------------------------------------------------------------------
+def test_dry_run_with_server_prints_the_servers_plan_and_queues_nothing(tmp_path, monkeypatch):
+    server = Server(tmp_path, monkeypatch)
+    result = kiln("build", *SPEC, "--server", "http://kiln", "--dry-run", "--no-wait", "--json")
+    assert result.exit_code == 0, result.output
+    assert server.queued == [] and server.builds() == 0
+    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    assert plan["build_key"].startswith("sha256:") and plan["spec"]["backend"] == "checkpoint"
+    assert plan["submission"]["outcome"] == "new-build" and "no such worker is live" in plan["submission"]["reason"]
+    assert [m for m, _ in server.requests] == ["POST"] and server.requests[0][1].endswith("/v1/builds/plan")
+
+    # the submission it describes: once the build exists, the plan says it would join it
+    submitted = kiln("build", *SPEC, "--server", "http://kiln", "--no-wait", "--json")
+    assert submitted.exit_code == 0 and server.builds() == 1, submitted.output
+    build_id = json.loads(submitted.stdout.strip().splitlines()[-1])["id"]
+    again = kiln("build", *SPEC, "--server", "http://kiln", "--dry-run")
+    assert again.exit_code == 0 and server.builds() == 1 and len(server.queued) == 1, again.output
+    assert json.loads(again.stdout)["submission"] == {"queue": plan["submission"]["queue"],
+                                                      "outcome": "existing-build", "build": build_id,
+                                                      "status": "queued"}
+
+
+def test_dry_run_of_a_document_with_server_plans_every_entry_and_queues_nothing(tmp_path, monkeypatch):
+    server = Server(tmp_path, monkeypatch)
+    doc = tmp_path / "kiln.yaml"
+    doc.write_text(MATRIX)
+    result = kiln("build", "-f", str(doc), "--server", "http://kiln", "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout.strip().splitlines()[-1])
+    assert body["file"] == str(doc) and [p["spec"]["precision"] for p in body["plans"]] == ["fp8", "nvfp4"]
+    assert server.queued == [] and server.builds() == 0
+    doc.write_text(MATRIX + "  - precision: int3\n")  # refused as the submission would be, naming the entry
+    refused = kiln("build", "-f", str(doc), "--server", "http://kiln", "--dry-run")
+    assert refused.exit_code == 2 and "matrix.2.precision" in one_line(refused) and f"in {doc}" in refused.stderr
+
+
+def test_the_plan_route_answers_what_a_submission_would_do_and_writes_nothing(tmp_path, monkeypatch):
+    server = Server(tmp_path, monkeypatch)
+    c = TestClient(server.app)
+    spec = {"checkpoint": str(TINY), "precision": "fp8", "backend": "checkpoint", "calibration": {"samples": 8}}
+    r = c.post("/v1/builds/plan", json=spec)
+    assert r.status_code == 200 and r.json()["submission"]["outcome"] == "new-build", r.text
+    assert server.builds() == 0 and server.queued == []
+    bad = c.post("/v1/builds/plan", json={**spec, "precision": "int3"})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "precision"
+
+
 # -- 3. kiln keys public never makes a key -----------------------------------------------------------------------
 def test_keys_public_without_a_key_says_so_and_makes_none(tmp_path, monkeypatch, _isolated_home):
     monkeypatch.delenv("KILN_SIGNING_KEY", raising=False)
