@@ -182,7 +182,8 @@ def _print_recipe(recipe: dict) -> None:
               "resolve runs; both engines are kept, the tag moves to the new one)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
 @click.option("--server", help="submit to a remote Kiln (http://host:8000) instead of building here")
-@click.option("--wait/--no-wait", default=True, show_default=True, help="with --server: follow the build to its end")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="with --server: follow the build to its end "
+              "(--no-wait: print the build's id and where to follow it, and return)")
 @click.option("--timeout", type=click.FloatRange(min=1), metavar="SECONDS",
               help="with --server --wait: give up waiting after this long (exit 4; the build goes on)")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),

@@ -67,6 +67,8 @@ def _entry_line(i: int, n: int, row: dict) -> str:
                  f"validation {'PASSED' if row['validation'].get('passed') else 'FAILED'}")
     if row.get("digest"):
         text += f", engine {row['digest']}"
+    elif row.get("id") and row["status"] in ("queued", "running"):  # --no-wait: where to follow it
+        text += f", build {row['id']}"
     if row.get("error"):
         text += f": {row['error'].get('message')}"
     return text

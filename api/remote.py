@@ -233,8 +233,22 @@ def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress
                  timeout: float | None = None) -> dict:
     with _client(server) as client:
         out = _finish(client, server, _post(client, server, spec), wait=wait, progress=progress, timeout=timeout)
-    json_line(out) if as_json else summary(out)
+    if as_json:
+        json_line(out)
+        return out
+    if not wait and out.get("id"):
+        click.echo(follow_line(server, out))
+    summary(out)
     return out
+
+
+def follow_line(server: str, out: dict) -> str:
+    """``--no-wait``'s line: the build's id, its status and where to follow it."""
+    root, build_id = server.rstrip("/"), out["id"]
+    if out["status"] in TERMINAL:
+        return f"build {build_id} {out['status']} on {root}: GET {root}/v1/builds/{build_id}"
+    return (f"build {build_id} {out['status']} on {root}; follow it: GET {root}/v1/builds/{build_id} "
+            f"(its events: GET {root}/v1/builds/{build_id}/events)")
 
 
 def remote_plan(server: str, document: dict) -> dict:

@@ -116,6 +116,28 @@ def test_the_plan_route_answers_what_a_submission_would_do_and_writes_nothing(tm
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "precision"
 
 
+# -- 2. --no-wait says the build id ------------------------------------------------------------------------------
+def test_no_wait_prints_the_build_id_and_where_to_follow_it(tmp_path, monkeypatch):
+    server = Server(tmp_path, monkeypatch)
+    result = kiln("build", *SPEC, "--server", "http://kiln:8000/", "--no-wait")
+    assert result.exit_code == 0, result.output
+    assert server.builds() == 1
+    (line,) = result.stdout.strip().splitlines()
+    with server.app.state.sessions() as s:
+        from kiln.tables import Build
+
+        build_id = s.scalars(select(Build.id)).one()
+    assert line.startswith(f"build {build_id} queued on http://kiln:8000; ")
+    assert f"GET http://kiln:8000/v1/builds/{build_id}" in line
+    doc = tmp_path / "kiln.yaml"  # -f: each entry's line names its build
+    doc.write_text(MATRIX)
+    entries = kiln("build", "-f", str(doc), "--server", "http://kiln", "--no-wait")
+    assert entries.exit_code == 0 and server.builds() == 2, entries.output  # fp8 joins the build above
+    with server.app.state.sessions() as s:
+        ids = set(s.scalars(select(Build.id)))
+    assert {line.rsplit(", build ", 1)[-1] for line in entries.stderr.splitlines() if ", build " in line} == ids
+
+
 # -- 3. kiln keys public never makes a key -----------------------------------------------------------------------
 def test_keys_public_without_a_key_says_so_and_makes_none(tmp_path, monkeypatch, _isolated_home):
     monkeypatch.delenv("KILN_SIGNING_KEY", raising=False)
