@@ -26,13 +26,14 @@ def server_root(server: str) -> str:
     text = server.strip()
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        fix = f"--server http://{text}" if "://" not in text else "--server http://host:8000 (http:// or https://)"
+        fix = (f"add the scheme: --server http://{text}" if "://" not in text
+               else "give --server http://host:8000 (http:// or https://)")
         raise e.SpecError(f"--server {server!r} is not an http:// or https:// URL", field="server", fix=fix)
     path = parts.path.rstrip("/")
     if path.rsplit("/", 1)[-1] in ("v1", "v2"):
         root = f"{parts.scheme}://{parts.netloc}{path.rsplit('/', 1)[0]}"
         raise e.SpecError(f"--server {server} ends in /{path.rsplit('/', 1)[-1]}: --server is the service root, "
-                          "without /v1", field="server", fix=f"--server {root}")
+                          "without /v1", field="server", fix=f"give the root: --server {root}")
     return text.rstrip("/")
 
 
