@@ -176,12 +176,14 @@ def _print_recipe(recipe: dict) -> None:
 @click.option("--gate", multiple=True, help="override a validation gate: name=value (repeatable)")
 @click.option("--override-reason", help="why gates are looser than the defaults, the evaluation shorter, or the "
               "regression gate changed (required for any of them; recorded)")
-@click.option("--dry-run", is_flag=True, help="print the plan (keys, cache state, exact commands) and do no work")
+@click.option("--dry-run", is_flag=True, help="print the plan (keys, cache state, exact commands) and do no work; "
+              "with --server the server's plan (POST /v1/builds/plan): nothing is submitted")
 @click.option("--force", is_flag=True, help="build anew even when an identical engine exists (every stage after "
               "resolve runs; both engines are kept, the tag moves to the new one)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object as the last line of stdout")
 @click.option("--server", help="submit to a remote Kiln (http://host:8000) instead of building here")
-@click.option("--wait/--no-wait", default=True, show_default=True, help="with --server: follow the build to its end")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="with --server: follow the build to its end "
+              "(--no-wait: print the build's id and where to follow it, and return)")
 @click.option("--timeout", type=click.FloatRange(min=1), metavar="SECONDS",
               help="with --server --wait: give up waiting after this long (exit 4; the build goes on)")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -197,9 +199,6 @@ def build(checkpoint: str | None, spec_file: str | None, dry_run: bool, force: b
 
         refuse_spec_options(click.get_current_context(), spec_file)
         _check_modes(server, wait, dry_run, reports)
-        if server and dry_run:
-            raise SpecError("--dry-run plans a local build", field="dry_run",
-                            fix="drop --server to plan here, or --dry-run to submit the document")
         return build_file(spec_file, dry_run=dry_run, as_json=as_json, server=server, wait=wait, timeout=timeout,
                           force=force)
     if checkpoint is None:
@@ -229,6 +228,12 @@ def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wa
            options: dict) -> None:
     junit_path, html_path = reports["junit"], reports["html"]
     _check_modes(server, wait, dry_run, reports)
+    if server and dry_run:  # the server plans it (POST /v1/builds/plan): nothing is submitted
+        from api.remote import remote_plan
+
+        plan = remote_plan(server, spec_from_options(checkpoint, options))
+        click.echo(json.dumps(plan, sort_keys=True) if as_json else json.dumps(plan, indent=2, sort_keys=True))
+        return
     if server:
         from api.cli_report import write_build_reports
         from api.remote import exit_for, fetch_report_document, remote_build

@@ -5,7 +5,8 @@ Every entry is checked before any work: one bad entry is one line naming the fil
 (``matrix.2.precision``), exit 2, nothing built. Locally the entries then build one after another, a line each on
 stderr as it ends, and a table at the end (``--json``: one object, ``{"file", "builds": [...], "exit"}``). With
 ``--server`` the whole document goes to the server in one request (it checks every entry before it submits any)
-and, with ``--wait``, each build is followed in turn. The exit code is the highest of the entries' (0 every entry
+and, with ``--wait``, each build is followed in turn; ``--dry-run`` with ``--server`` prints the server's plan of
+every entry (``POST /v1/builds/plan``) and submits nothing. The exit code is the highest of the entries' (0 every entry
 succeeded, 1 one failed validation, 3 a stage or the environment failed, 4 a wait timed out), its line the first
 entry with that code."""
 
@@ -66,6 +67,8 @@ def _entry_line(i: int, n: int, row: dict) -> str:
                  f"validation {'PASSED' if row['validation'].get('passed') else 'FAILED'}")
     if row.get("digest"):
         text += f", engine {row['digest']}"
+    elif row.get("id") and row["status"] in ("queued", "running"):  # --no-wait: where to follow it
+        text += f", build {row['id']}"
     if row.get("error"):
         text += f": {row['error'].get('message')}"
     return text
@@ -105,13 +108,20 @@ def build_file(spec_file: str, *, dry_run: bool, as_json: bool, server: str | No
         click.echo(_entry_line(i, len(entries), row), err=True)
 
     if server:
-        from api.remote import remote_matrix
+        from api.remote import remote_matrix, remote_plan
 
         try:
             json.dumps(data, allow_nan=True)
         except (TypeError, ValueError) as exc:  # YAML dates, sets: not a JSON document
             raise SpecError(f"holds a value JSON cannot carry ({exc}), in {name}", field="document",
                             fix="quote it as a string") from None
+        if dry_run:  # the server plans the document (POST /v1/builds/plan): nothing is submitted
+            try:
+                answer = remote_plan(server, data)
+            except SpecError as exc:
+                raise _in_file(exc, name) from None
+            _print_plans(name, answer["plans"] if "plans" in answer else [answer], as_json)
+            return
         labels = [_label(e) for e in entries]
         try:
             remote_matrix(server, data, wait=wait, progress=Progress(quiet=False), timeout=timeout,
@@ -136,6 +146,11 @@ def build_file(spec_file: str, *, dry_run: bool, as_json: bool, server: str | No
                         field=field, fix=err.fix)
 
 
+def _print_plans(name: str, plans: list[dict], as_json: bool) -> None:
+    body = {"file": name, "plans": plans}
+    click.echo(json.dumps(body, sort_keys=True) if as_json else json.dumps(body, indent=2, sort_keys=True))
+
+
 def _build_here(data: dict, name: str, *, dry_run: bool, as_json: bool, force: bool,
                 record) -> None:
     from kiln.install import client_refusal, is_client
@@ -154,9 +169,7 @@ def _build_here(data: dict, name: str, *, dry_run: bool, as_json: bool, force: b
     settings, store, sessions = _context()
     builder = Builder(settings, store, sessions, on_event=Progress(quiet=False))
     if dry_run:
-        plans = [builder.plan(spec) for spec in specs]
-        body = {"file": name, "plans": plans}
-        click.echo(json.dumps(body, sort_keys=True) if as_json else json.dumps(body, indent=2, sort_keys=True))
+        _print_plans(name, [builder.plan(spec) for spec in specs], as_json)
         return
     for i, spec in enumerate(specs):
         label = {"checkpoint": spec.checkpoint, "model_name": spec.model_name, "precision": spec.precision,

@@ -63,9 +63,11 @@ def _remote_engines(server: str, model: str) -> list[dict]:
     """The model's fresh engines and their limits from a remote Kiln (the traffic stays on this machine)."""
     import httpx
 
+    from api.remote import server_root
+
     token = os.environ.get("KILN_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with httpx.Client(base_url=server.rstrip("/"), timeout=30, headers=headers) as client:
+    with httpx.Client(base_url=server_root(server), timeout=30, headers=headers) as client:
         resp = client.get("/v1/artifacts", params={"model": model, "status": "fresh", "limit": 500})
         if resp.status_code != 200:
             raise SpecError(f"{server} answered {resp.status_code}: {resp.text[:200]}", field="server",

@@ -69,14 +69,29 @@ def keys() -> None:
 
 @keys.command("public")
 @click.option("--trusted", is_flag=True, help="every trusted key (the signing key's first), not only the signing key")
-def keys_public(trusted: bool) -> None:
-    """Print the signing key's public key as PEM (what deployers pass to model_signing or --verify-key)."""
-    from artifacts.signing import configured_signer, trusted_keys
+@click.option("--server", help="the public key of a remote Kiln (http://host:8000; its GET /v1/keys) instead of "
+                               "this machine's")
+def keys_public(trusted: bool, server: str | None) -> None:
+    """Print the signing key's public key as PEM (what deployers pass to model_signing or --verify-key): this
+    machine's (KILN_SIGNING_KEY, or the key its builds generated under KILN_HOME/keys), or with --server a
+    remote Kiln's. Never makes a key: with none here it says so and exits 2."""
+    if server:
+        from api.remote import fetch_public_keys
 
-    if trusted:
-        click.echo(b"".join(trusted_keys().values()).decode(), nl=False)
+        pems = fetch_public_keys(server)
+        click.echo("".join(pems if trusted else pems[:1]), nl=False)
         return
-    click.echo(configured_signer().public_pem.decode(), nl=False)
+    from artifacts.signing import existing_signer, trusted_keys
+    from kiln.settings import get_settings
+
+    settings = get_settings()
+    found = trusted_keys(settings, create=False) if trusted else (
+        {s.fingerprint: s.public_pem} if (s := existing_signer(settings)) is not None else {})
+    if not found:
+        raise SpecError(f"no signing key on this machine: it is unset and {settings.home_dir}/keys holds none "
+                        "(keys are made by the Kiln that signs engines)", field="KILN_SIGNING_KEY",
+                        fix="print the signing Kiln's key: kiln keys public --server http://host:8000")
+    click.echo(b"".join(found.values()).decode(), nl=False)
 
 
 @keys.command("resign")

@@ -33,9 +33,12 @@ OCI_FALLBACK = "UNKNOWN"
 EXIT_CODES = frozenset({1, 2, 3, 4})
 OCI_PREFIX = "/v2"
 API_VERSION_HEADER = {"Docker-Distribution-API-Version": "registry/2.0"}
-# Basic only: registry clients read a Bearer realm as the URL of a token service and would send the user's
-# credentials there. "Authorization: Bearer <token>" is still accepted.
-CHALLENGE = (("WWW-Authenticate", 'Basic realm="kiln"'),)
+# Under /v2, Basic only: registry clients read a Bearer realm as the URL of a token service and would send the
+# user's credentials there. "Authorization: Bearer <token>" is still accepted.
+OCI_CHALLENGE = (("WWW-Authenticate", 'Basic realm="kiln"'),)
+# Everywhere else, Bearer: a Basic challenge makes a browser open its login box over the dashboard, whose
+# requests go to /v1 (the JSON body says what to send).
+CHALLENGE = (("WWW-Authenticate", 'Bearer realm="kiln"'),)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Row:
     exit: int  # CLI exit code
     oci: str | None = None  # distribution-spec error code, under /v2
     headers: tuple[tuple[str, str], ...] = ()  # headers every answer of this error carries
+    oci_headers: tuple[tuple[str, str], ...] = ()  # under /v2, these instead of the same-named ones of headers
 
 
 TABLE: dict[type[e.KilnError], Row] = {
@@ -62,7 +66,7 @@ TABLE: dict[type[e.KilnError], Row] = {
     e.MethodNotAllowed: Row(405, 2, "UNSUPPORTED"),
     e.InvalidTransition: Row(409, 2),
     # access
-    e.Unauthorized: Row(401, 2, "UNAUTHORIZED", CHALLENGE),
+    e.Unauthorized: Row(401, 2, "UNAUTHORIZED", CHALLENGE, OCI_CHALLENGE),
     e.Forbidden: Row(403, 2, "DENIED"),
     e.AuthOff: Row(403, 2, "DENIED"),
     e.RateLimited: Row(429, 3, "TOOMANYREQUESTS"),
@@ -122,15 +126,16 @@ def oci_detail(exc: e.KilnError):
 
 
 def error_response(exc: e.KilnError, request: Request | None = None) -> Response:
-    """The answer to ``exc``: status and headers from its row; under /v2 the distribution-spec body with the row's
-    OCI code (no body for ``HEAD``: the status says it), elsewhere ``{"error": exc.to_dict()}``."""
+    """The answer to ``exc``: status and headers from its row (under /v2 its OCI headers over them); under /v2
+    the distribution-spec body with the row's OCI code (no body for ``HEAD``: the status says it), elsewhere ``{"error": exc.to_dict()}``."""
     from starlette.responses import JSONResponse, Response
 
     r = row(exc)
-    headers = {**dict(r.headers), **exc.headers}
-    if request is not None and request.scope.get("path", "").startswith(OCI_PREFIX):
+    oci = request is not None and request.scope.get("path", "").startswith(OCI_PREFIX)
+    headers = {**dict(r.headers), **(dict(r.oci_headers) if oci else {}), **exc.headers}
+    if oci:
         headers.update(API_VERSION_HEADER)
-        if request.method == "HEAD":
+        if request is not None and request.method == "HEAD":
             return Response(status_code=r.status, headers=headers)
         body = {"errors": [{"code": r.oci or OCI_FALLBACK, "message": exc.message, "detail": oci_detail(exc)}]}
         return JSONResponse(body, status_code=r.status, headers=headers)

@@ -218,6 +218,10 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
     ``server`` into ``dest``, which must not exist. ``max_bytes`` bounds the layers together (default
     ``KILN_PULL_MAX_BYTES``). With ``verify_keys`` (fingerprint → public PEM) nothing is written unless the engine's
     files and provenance verify with one of them. ``client`` replaces the HTTP client (tests)."""
+    if client is None:  # a wrong --server is named before anything else
+        from api.remote import server_root
+
+        server_root(server)
     dest = Path(dest)
     if dest.exists() or dest.is_symlink():
         raise e.SpecError(f"{dest} already exists", field="dest", fix="give a path that does not exist yet")
@@ -230,7 +234,7 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
     if client is None:
         # KILN_TOKEN as for `kiln build --server`; httpx drops it when a blob redirects to another host (presigned)
         headers = {"Authorization": f"Bearer {os.environ['KILN_TOKEN']}"} if os.environ.get("KILN_TOKEN") else {}
-        client = httpx.Client(base_url=server.rstrip("/"), timeout=httpx.Timeout(timeout, read=timeout),
+        client = httpx.Client(base_url=server_root(server), timeout=httpx.Timeout(timeout, read=timeout),
                               headers=headers, follow_redirects=True)
     try:
         try:

@@ -17,14 +17,56 @@ from kiln import errors as e
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
+def server_root(server: str) -> str:
+    """``--server`` checked before any request: an http(s) URL of the service root (``http://host:8000``), not a
+    path below it. A URL without its scheme would be retried as if the network failed; one ending in ``/v1``
+    would ask for ``/v1/v1/…``. SpecError naming ``--server`` and the fix (exit 2)."""
+    from urllib.parse import urlsplit
+
+    text = server.strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        fix = (f"add the scheme: --server http://{text}" if "://" not in text
+               else "give --server http://host:8000 (http:// or https://)")
+        raise e.SpecError(f"--server {server!r} is not an http:// or https:// URL", field="server", fix=fix)
+    path = parts.path.rstrip("/")
+    if path.rsplit("/", 1)[-1] in ("v1", "v2"):
+        root = f"{parts.scheme}://{parts.netloc}{path.rsplit('/', 1)[0]}"
+        raise e.SpecError(f"--server {server} ends in /{path.rsplit('/', 1)[-1]}: --server is the service root, "
+                          "without /v1", field="server", fix=f"give the root: --server {root}")
+    return text.rstrip("/")
+
+
 def _fail(resp: httpx.Response) -> e.KilnError:
     try:
         err = resp.json().get("error", {})
     except ValueError:
         err = {"message": resp.text[:200]}
+    if not isinstance(err, dict):
+        err = {}
+    code, message = err.get("code"), err.get("message", f"HTTP {resp.status_code}")
+    if resp.status_code == 401:  # the token the CLI sent (KILN_TOKEN), or none: the caller's to fix, exit 2
+        import os
+
+        if os.environ.get("KILN_TOKEN"):
+            return e.Unauthorized(f"the server refused the token in KILN_TOKEN ({message})", field="KILN_TOKEN",
+                                  fix="set KILN_TOKEN to a valid token (an admin mints one with POST /v1/tokens)")
+        return e.Unauthorized(f"the server requires a token ({message})", field="KILN_TOKEN",
+                              fix="set KILN_TOKEN to a token (an admin mints one with POST /v1/tokens)")
+    if resp.status_code == 403 and code == "forbidden":
+        return e.Forbidden(f"the token in KILN_TOKEN may not do this ({message})", field="KILN_TOKEN",
+                           fix=f"set KILN_TOKEN to a token that may: {err.get('fix') or 'ask an admin'}")
+    if resp.status_code == 404 and code == "endpoint_unknown":
+        try:
+            what = resp.request.url.path
+        except RuntimeError:  # a response made without its request
+            what = "such path"
+        return e.EndpointUnknown(f"the server has no {what}", field="server",
+                                 fix="--server is the Kiln service root (http://host:8000), without /v1 or a path "
+                                     "the service does not have")
     by_status = {422: e.SpecError, 400: e.InvalidDigest, 404: e.ArtifactUnknown, 409: e.BuildCancelled}
     cls = by_status.get(resp.status_code, e.StorageUnavailable if resp.status_code >= 500 else e.KilnError)
-    return cls(err.get("message", f"HTTP {resp.status_code}"), field=err.get("field"), fix=err.get("fix"))
+    return cls(message, field=err.get("field"), fix=err.get("fix"))
 
 
 #: the stream is read with this timeout: the server sends a keep-alive comment every 5 s, so a read that waits
@@ -192,8 +234,36 @@ def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress
                  timeout: float | None = None) -> dict:
     with _client(server) as client:
         out = _finish(client, server, _post(client, server, spec), wait=wait, progress=progress, timeout=timeout)
-    json_line(out) if as_json else summary(out)
+    if as_json:
+        json_line(out)
+        return out
+    if not wait and out.get("id"):
+        click.echo(follow_line(server, out))
+    summary(out)
     return out
+
+
+def follow_line(server: str, out: dict) -> str:
+    """``--no-wait``'s line: the build's id, its status and where to follow it."""
+    root, build_id = server.rstrip("/"), out["id"]
+    if out["status"] in TERMINAL:
+        return f"build {build_id} {out['status']} on {root}: GET {root}/v1/builds/{build_id}"
+    return (f"build {build_id} {out['status']} on {root}; follow it: GET {root}/v1/builds/{build_id} "
+            f"(its events: GET {root}/v1/builds/{build_id}/events)")
+
+
+def remote_plan(server: str, document: dict) -> dict:
+    """``kiln build --server URL --dry-run``: the server's plan of ``document`` (``POST /v1/builds/plan``: each
+    spec's keys, cache state and what its submission would do); nothing is submitted."""
+    with _client(server) as client:
+        resp = _first(client, server, "POST", "/v1/builds/plan", json=document, what="the plan")
+    if resp.status_code in (404, 405):  # a Kiln older than this client: it has no plan route (and queued nothing)
+        raise e.InvalidRequest(f"{server} does not plan builds (POST /v1/builds/plan: HTTP {resp.status_code}; a "
+                               "Kiln older than this client)", field="dry_run",
+                               fix="upgrade the server, or drop --server to plan here")
+    if resp.status_code != 200:
+        raise _fail(resp)
+    return resp.json()
 
 
 def remote_matrix(server: str, document: dict, *, wait: bool, progress, on_entry,
@@ -252,7 +322,7 @@ def exit_for(out: dict) -> e.KilnError | None:
 
 def _client(server: str) -> httpx.Client:
     """The HTTP client of one command against ``server``, with ``KILN_TOKEN`` as its bearer token."""
-    return httpx.Client(base_url=server.rstrip("/"), timeout=60, headers=_auth_headers())
+    return httpx.Client(base_url=server_root(server), timeout=60, headers=_auth_headers())
 
 
 def _auth_headers() -> dict[str, str]:
@@ -299,3 +369,26 @@ def fetch_support(server: str) -> dict:
     if resp.status_code != 200:
         raise _fail(resp)
     return resp.json()
+
+
+#: what ``GET /v1/keys`` answers as PEM (every trusted key, the signing key first)
+PEM_TYPE = "application/x-pem-file"
+
+
+def fetch_public_keys(server: str) -> list[str]:
+    """The public keys of a remote Kiln as PEM blocks, its signing key first (``GET /v1/keys`` with
+    ``Accept: application/x-pem-file``)."""
+    with _client(server) as client:
+        resp = _first(client, server, "GET", "/v1/keys", headers={"Accept": PEM_TYPE}, what="reading the keys")
+    if resp.status_code != 200:
+        raise _fail(resp)
+    if not resp.headers.get("content-type", "").startswith(PEM_TYPE):  # a Kiln older than this client: JSON
+        try:
+            return [k["public_key"] for k in sorted(resp.json()["keys"], key=lambda k: not k.get("signing"))]
+        except (ValueError, KeyError, TypeError):
+            raise e.KilnError(f"{server} answered GET /v1/keys with neither PEM nor its JSON") from None
+    text = resp.text
+    blocks = ["-----BEGIN" + part for part in text.split("-----BEGIN")[1:]]
+    if not blocks:
+        raise e.KilnError(f"{server} answered GET /v1/keys with no PEM key")
+    return [b if b.endswith("\n") else b + "\n" for b in blocks]

@@ -157,6 +157,18 @@ def configured_signer(settings: Any = None) -> Signer:
     return _signer(settings.signing_key, str(settings.home_dir))
 
 
+def existing_signer(settings: Any = None) -> Signer | None:
+    """The configured signer when its key exists already (``KILN_SIGNING_KEY``, or a key generated under
+    ``KILN_HOME`` earlier), else None: for readers of the key that must not make one (``kiln keys public``)."""
+    if settings is None:
+        from kiln.settings import get_settings
+
+        settings = get_settings()
+    if not settings.signing_key and not (Path(settings.home_dir) / "keys" / KEY_FILE).exists():
+        return None
+    return configured_signer(settings)
+
+
 def load_public_keys(value: str, field: str) -> list[bytes]:
     """Public keys (SubjectPublicKeyInfo PEM) from PEM text or a file; a private key gives its public key."""
     pem, _ = _pem_or_file(value, field)
@@ -179,14 +191,15 @@ def load_public_keys(value: str, field: str) -> list[bytes]:
     return out
 
 
-def trusted_keys(settings: Any = None) -> dict[str, bytes]:
-    """fingerprint → public PEM: the signing key's and every key in ``KILN_TRUSTED_KEYS``."""
+def trusted_keys(settings: Any = None, *, create: bool = True) -> dict[str, bytes]:
+    """fingerprint → public PEM: the signing key's and every key in ``KILN_TRUSTED_KEYS``. ``create=False``: a
+    signing key not made yet is left out, not generated."""
     if settings is None:
         from kiln.settings import get_settings
 
         settings = get_settings()
-    signer = configured_signer(settings)
-    keys = {signer.fingerprint: signer.public_pem}
+    signer = configured_signer(settings) if create else existing_signer(settings)
+    keys = {signer.fingerprint: signer.public_pem} if signer is not None else {}
     for item in (settings.trusted_keys or "").split(os.pathsep) if settings.trusted_keys else []:
         if item.strip():
             keys.update({fingerprint(p): p for p in load_public_keys(item, "KILN_TRUSTED_KEYS")})

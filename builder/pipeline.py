@@ -176,6 +176,12 @@ class Builder:
             environment: dict[str, Any] = {"ready": True}
         except KilnError as exc:
             environment = {"ready": False, "reason": str(exc)}
+        return {**self.describe(p), "environment": environment}
+
+    def describe(self, p: Prepared) -> dict:
+        """The plan of a prepared build: its keys, spec, checkpoint, toolchain, gates, what is cached and the
+        compile commands (``kiln build --dry-run``; the server's ``POST /v1/builds/plan`` adds what its
+        submission would do, workers/submit.py)."""
         qdir = self.stage_cache.path("quantize", p.quantize_key)
         cdir = self.stage_cache.path("compile", p.compile_key)
         existing = self._existing(p.build_key)
@@ -186,8 +192,7 @@ class Builder:
             "cached": {"artifact": existing.digest if existing else None,
                        "quantize": self.stage_cache.where("quantize", p.quantize_key) is not None,
                        "compile": self.stage_cache.where("compile", p.compile_key) is not None},
-            "compile": get_backend(p.spec.backend).plan(p.first, qdir, cdir), "environment": environment,
-            "recipe": p.spec.recipe_name,
+            "compile": get_backend(p.spec.backend).plan(p.first, qdir, cdir), "recipe": p.spec.recipe_name,
             **({"ladder": p.spec.rungs} if p.spec.recipe_name == AUTO else {}),
         }
 

@@ -108,6 +108,54 @@ def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list
     process is seen at once). ``reads``: sessions on autocommit connections where the caller has them (the API:
     no transaction for the lookups). The rest are created one by one, each committed before it is enqueued."""
     builder = Builder(settings, None, sessions)  # type: ignore[arg-type]  # prepare() reads no blob store
+    prepared, queues, workers, answers = _decide(builder, settings, sessions, specs, reads)
+    out: list[Submitted] = []
+    for spec, p, queue, row in zip(specs, prepared, queues, answers):
+        if row is None:
+            out.append(_create(sessions, spec, p, queue, workers, enqueue))
+            continue
+        artifact = row.Artifact
+        if artifact.repository != spec.model_name:  # the same engine, asked for under another repository
+            artifact = name_in_repository(sessions, artifact.digest, str(spec.model_name))  # parse_spec set it
+        out.append(Submitted("existing-artifact", row.Build, artifact))
+    return out
+
+
+def plan_many(settings: Settings, sessions: sessionmaker[Session], specs: list[BuildSpec], *,
+              reads: sessionmaker[Session] | None = None) -> list[dict]:
+    """What :func:`submit_many` would do with ``specs``, doing none of it (``POST /v1/builds/plan``,
+    ``kiln build --server URL --dry-run``): each spec's plan (Builder.describe: keys, checkpoint, toolchain, gates,
+    stage outputs cached, compile commands) and its ``submission``: ``existing-artifact`` (the engine that would
+    answer), ``existing-build`` (the identical build it would join) or ``new-build`` (the queue and why it would
+    wait). Refused as a submission would be (SpecError, ValidationFailed); nothing is written or enqueued."""
+    builder = Builder(settings, None, sessions)  # type: ignore[arg-type]  # prepare() reads no blob store
+    prepared, queues, workers, answers = _decide(builder, settings, sessions, specs, reads)
+    plans = []
+    with (reads or sessions)() as session:
+        for spec, p, queue, row in zip(specs, prepared, queues, answers):
+            plan = builder.describe(p)
+            submission: dict[str, Any] = {"queue": queue}
+            if row is not None:
+                plan["cached"]["artifact"] = row.Artifact.digest
+                submission.update(outcome="existing-artifact", digest=row.Artifact.digest,
+                                  build=row.Build.id if row.Build is not None else None)
+            else:
+                build = session.execute(select(Build.id, Build.status)
+                                        .where(Build.active_key == _active_key(spec, p))).first()
+                if build is not None:
+                    submission.update(outcome="existing-build", build=build.id, status=build.status)
+                else:
+                    submission.update(outcome="new-build", reason=waiting_reason(workers, queue, spec.backend,
+                                                                                 spec.target))
+            plans.append({**plan, "submission": submission})
+    return plans
+
+
+def _decide(builder: Builder, settings: Settings, sessions: sessionmaker[Session], specs: list[BuildSpec],
+            reads: sessionmaker[Session] | None) -> tuple[list, list[str], Sequence[Any], list[Any]]:
+    """Every spec prepared, routed, answered from an existing engine where one has its key, and judged (a
+    tracked model's strictness, another repository's engine named here) — before anything is written:
+    (prepared, queues, workers, answers), an answer being the existing (Artifact, Build) row or None."""
     identified: dict = {}  # this request's checkpoint identities: a matrix identifies each checkpoint once
     prepared = [builder.prepare(spec, check_environment=False, identified=identified)[0] for spec in specs]
     with (reads or sessions)() as session:
@@ -133,22 +181,17 @@ def submit_many(settings: Settings, sessions: sessionmaker[Session], specs: list
     for spec, p, row in zip(specs, prepared, answers):  # and one named here, by its metrics against ours
         if row is not None and row.Artifact.repository != spec.model_name:
             judge_naming(sessions, spec, p.data, row.Artifact, p.gates)
-    out: list[Submitted] = []
-    for spec, p, queue, row in zip(specs, prepared, queues, answers):
-        if row is None:
-            out.append(_create(sessions, spec, p, queue, workers, enqueue))
-            continue
-        artifact = row.Artifact
-        if artifact.repository != spec.model_name:  # the same engine, asked for under another repository
-            artifact = name_in_repository(sessions, artifact.digest, str(spec.model_name))  # parse_spec set it
-        out.append(Submitted("existing-artifact", row.Build, artifact))
-    return out
+    return prepared, queues, workers, answers
+
+
+def _active_key(spec: BuildSpec, prepared) -> str:
+    # identical requests for one repository share a build; another repository's request is its own build
+    # (its stages come from the stage cache; its engine, if equal, is named in both — builder/publish.py)
+    return sha256_json({"request": prepared.request_key, "repository": spec.model_name})
 
 
 def _create(sessions, spec: BuildSpec, prepared, queue: str, workers, enqueue: Enqueue) -> Submitted:
-    # identical requests for one repository share a build; another repository's request is its own build
-    # (its stages come from the stage cache; its engine, if equal, is named in both — builder/publish.py)
-    active = sha256_json({"request": prepared.request_key, "repository": spec.model_name})
+    active = _active_key(spec, prepared)
     build = Build(id=uuid.uuid4().hex, request_key=prepared.request_key, active_key=active,
                   spec=spec.model_dump(), queue=queue, status="queued", stages=[], attempts=0,
                   cancel_requested=False, reason=waiting_reason(workers, queue, spec.backend, spec.target))

@@ -1,4 +1,4 @@
-"""/v1/builds: submit (one spec or a matrix), list, show, follow (server-sent events), cancel."""
+"""/v1/builds: submit (one spec or a matrix), plan without submitting, list, show, follow (server-sent events), cancel."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kiln.tables import TERMINAL, Build, BuildEvent
 from kiln.document import document_schema, is_matrix, parse_document
 from kiln.states import request_cancel
 from workers.liveness import waiting_reason
-from workers.submit import submit_many
+from workers.submit import plan_many, submit_many
 
 router = APIRouter(prefix="/v1/builds", tags=["builds"])
 #: the request body's schema (kiln/document.py, the same document kiln build -f reads); app.py adds its definitions
@@ -44,6 +44,19 @@ def create_builds(request: Request, settings: SettingsDep, sessions: SessionsDep
             answers.append(build_read(result.build))
     payload = {"builds": answers} if is_matrix(body) else answers[0]
     return JSONResponse(payload, status_code=202 if created else 200)
+
+
+@router.post("/plan", openapi_extra={"requestBody": {"required": True, "content": {
+    "application/json": {"schema": SPEC_BODY}}}})
+def plan_builds(request: Request, settings: SettingsDep, sessions: SessionsDep, body: Any = Body(None)):
+    """What ``POST /v1/builds`` would do with the same body, doing none of it (kiln build --server URL --dry-run):
+    each spec's plan (keys, checkpoint, toolchain, gates, stage outputs cached, compile commands) and its
+    ``submission`` (the engine that would answer it, the build it would join, or the queue a new build would wait
+    on), ``{"plans": [...]}`` for a matrix. Refused as the submission would be; nothing is queued. A route of its
+    own, not a flag of the submission: a server that does not know it answers 405 instead of queueing a build."""
+    plans = plan_many(settings, sessions, parse_document(body, settings.roots, where="body"),
+                      reads=request.app.state.read_sessions)
+    return {"plans": plans} if is_matrix(body) else plans[0]
 
 
 @router.get("")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from artifacts.signing import configured_signer, trusted_keys
 
@@ -19,9 +19,17 @@ def trusted_fingerprints(app) -> set[str]:
     return set(_keys(app))
 
 
-@router.get("/v1/keys")
+#: the media type of PEM files; asked for in ``Accept``, the keys are answered as PEM
+PEM_TYPE = "application/x-pem-file"
+
+
+@router.get("/v1/keys", responses={200: {"content": {PEM_TYPE: {}}}})
 def list_keys(request: Request):
-    """Public keys (PEM) and fingerprints: pass one to `model_signing verify key` or `kiln pull --verify-key`."""
+    """Public keys (PEM) and fingerprints: pass one to `model_signing verify key` or `kiln pull --verify-key`. With
+    ``Accept: application/x-pem-file``: the keys as one PEM file, the signing key first (kiln keys public
+    --server)."""
     signing = configured_signer(request.app.state.settings).fingerprint
-    return {"keys": [{"fingerprint": fp, "public_key": pem.decode(), "signing": fp == signing}
-                     for fp, pem in _keys(request.app).items()]}
+    keys = sorted(_keys(request.app).items(), key=lambda kv: kv[0] != signing)  # stable: the signing key first
+    if PEM_TYPE in request.headers.get("accept", ""):
+        return Response(b"".join(pem for _, pem in keys), media_type=PEM_TYPE)
+    return {"keys": [{"fingerprint": fp, "public_key": pem.decode(), "signing": fp == signing} for fp, pem in keys]}

@@ -16,7 +16,8 @@ from kiln.tables import ApiToken
 from kiln.settings import Settings
 
 BOOT = "kiln_bootstrap_for_auth_tests_0123456789abcdef"
-WWW = 'Basic realm="kiln"'  # Basic only: a Bearer realm is a token-service URL to registry clients (issue 13)
+WWW = 'Basic realm="kiln"'  # /v2: Basic only, a Bearer realm is a token-service URL to registry clients (issue 13)
+API_WWW = 'Bearer realm="kiln"'  # /v1: never Basic, which opens a browser's login box over the dashboard
 
 
 def app_for(tmp_path, **settings):
@@ -42,13 +43,26 @@ def make_token(client, *scopes, name="t"):
 
 def test_a_missing_token_is_401_with_the_challenge_and_the_fix(client):
     r = client.get("/v1/artifacts")
-    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == WWW
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == API_WWW
     assert r.json() == {"error": {"code": "unauthorized", "field": "Authorization", "message": "a token is required",
                                   "fix": "send Authorization: Bearer <token>"}}
     v2 = client.get("/v2/")
     assert v2.status_code == 401 and v2.headers["WWW-Authenticate"] == WWW
     assert v2.json() == {"errors": [{"code": "UNAUTHORIZED", "message": "a token is required",
                                      "detail": "send Authorization: Bearer <token>"}]}
+
+
+@pytest.mark.parametrize("method,path,headers", [
+    ("GET", "/v1/artifacts", {}), ("GET", "/v1/tags", {}), ("GET", "/v1/builds", bearer("kiln_nope")),
+    ("POST", "/v1/builds", {}), ("GET", "/v1/artifacts/sha256:" + "a" * 64 + "/report.html", {}),
+])
+def test_no_401_outside_v2_carries_a_basic_challenge(client, method, path, headers):
+    # a browser answers a Basic challenge with its login box, over the dashboard whose requests these are
+    r = client.request(method, path, headers=headers)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    assert "basic" not in r.headers.get("WWW-Authenticate", "").lower()
+    v2 = client.request(method, "/v2/", headers=headers)  # what OCI clients need stays
+    assert v2.status_code == 401 and v2.headers["WWW-Authenticate"] == WWW
 
 
 def test_an_unknown_token_is_401(client):

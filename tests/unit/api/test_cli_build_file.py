@@ -38,7 +38,6 @@ def doc(tmp_path):
     (("--gate", "max_mean_kl=0.1"), "gate", "--gate cannot be given with -f"),
     (("--junit", "out.xml"), "junit", "--junit writes one engine's report"),
     (("--timeout", "5"), "timeout", "--timeout limits a wait on a remote build"),
-    (("--server", "http://127.0.0.1:9", "--dry-run"), "dry_run", "--dry-run plans a local build"),
     (("--force", "--dry-run"), "force", "--force rebuilds here"),
 ])
 def test_options_that_describe_one_spec_are_refused_with_f(tmp_path, doc, extra, field, words):

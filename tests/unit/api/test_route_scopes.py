@@ -17,6 +17,7 @@ EXPECTED = {
     ("GET", "/healthz"): None, ("GET", "/readyz"): None, ("GET", "/metrics"): None,
     ("GET", "/openapi.json"): None, ("GET", "/"): None, ("POST", "/v1/webhooks/huggingface"): None,
     ("POST", "/v1/builds"): "builds:write", ("GET", "/v1/builds"): "artifacts:read",
+    ("POST", "/v1/builds/plan"): "builds:write",  # a submission's checks (the checkpoint identified), not its writes
     ("GET", "/v1/builds/{build_id}"): "artifacts:read", ("POST", "/v1/builds/{build_id}/cancel"): "builds:write",
     ("GET", "/v1/builds/{build_id}/events"): "artifacts:read",
     ("GET", "/v1/artifacts"): "artifacts:read", ("GET", "/v1/artifacts/{digest}"): "artifacts:read",
