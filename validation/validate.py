@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -179,6 +179,8 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
     own_speed = callable(own_throughput) and callable(own_latency)
     waited: dict = {}
     speed_cond: dict[str, object]
+    latency: dict[str, Any]
+    memory: dict[str, Any]
     if failed_accuracy:
         skipped = "not measured: the engine failed its accuracy gates (" + ", ".join(
             sorted({v["name"] for v in failed_accuracy})) + ")"
@@ -216,7 +218,7 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
     if failed_accuracy:  # speed and memory were not measured: they are not judged (the build fails on accuracy)
         for name in [g for g in judged if g not in ACCURACY_GATES]:
             judged.pop(name)
-            not_judged[name] = speed_cond["method"]
+            not_judged[name] = str(speed_cond["method"])
     elif metrics["peak_memory_bytes"] is None and MEMORY_GATE not in gates:
         judged.pop(MEMORY_GATE)
         not_judged[MEMORY_GATE] = memory["conditions"]["method"]
