@@ -105,6 +105,17 @@ def _print_summary(out: dict) -> None:
                        + (": stopped once every accuracy gate was decided" if seq.get("stopped_early") else "")
                        + f"; one-sided bounds at {units.fraction(seq['confidence_per_look'])} per look, "
                        f"{units.fraction(1 - seq['alpha'])} over {len(seq['looks'])} looks")
+        for longer in m.get("long_windows") or []:
+            click.echo(f"  {longer['seq_len']}-token windows (positions 0–{longer['seq_len'] - 1}): "
+                       + (f"perplexity {units.number(longer['perplexity'])} vs reference "
+                          f"{units.number(longer['reference_perplexity'])} ({units.percent(longer['ppl_increase_pct'])}),"
+                          f" top-1 agreement {units.fraction(longer['top1_agreement'])}, mean KL "
+                          f"{units.number(longer['mean_kl'])} on {units.count(longer['windows'])} windows"
+                          if longer.get("evaluated") else f"not evaluated: {longer.get('why')}"))
+        text = ((v.get("conditions") or {}).get("accuracy") or {}).get("text") or {}
+        if text.get("prefix_tokens"):
+            click.echo(f"  every window starts with {' '.join(text['prefix_tokens'])}, as the tokenizer starts a text "
+                       "(not scored)")
         for t in m.get("tasks") or []:
             iv = t["interval"]
             click.echo(f"  task {t['task']}: engine {units.fraction(t['engine_accuracy'])} vs reference "

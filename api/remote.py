@@ -26,7 +26,7 @@ def server_root(server: str) -> str:
     text = server.strip()
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        fix = (f"add the scheme: --server http://{text}" if "://" not in text
+        fix = (f"add the scheme: --server http://{text}" if not parts.netloc and not text.lower().startswith("http")
                else "give --server http://host:8000 (http:// or https://)")
         raise e.SpecError(f"--server {server!r} is not an http:// or https:// URL", field="server", fix=fix)
     path = parts.path.rstrip("/")

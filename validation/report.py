@@ -24,7 +24,8 @@ REPORT_TYPE = "application/vnd.kiln.validation-report.v1+json"
 SCHEMA = "kiln.validation-report.v1"
 FORMATS = ("json", "html", "junit")
 METRICS = ("perplexity", "reference_perplexity", "ppl_increase_pct", "top1_agreement", "mean_kl", "throughput",
-           "ttft_ms", "tpot_ms", "latency", "peak_memory_bytes", "intervals", "mde", "sequential", "tasks")
+           "ttft_ms", "tpot_ms", "latency", "peak_memory_bytes", "intervals", "mde", "sequential", "tasks",
+           "long_windows")
 SPEC_FIELDS = ("model_name", "checkpoint", "precision", "kv_cache", "target", "backend", "tp_size", "profile",
                "calibration", "evaluation", "gates", "override_reason")
 
@@ -111,7 +112,9 @@ def _ms(v: Any) -> str:
 
 
 def _gate_name(g: dict) -> str:
-    return f"{g['name']}[{g['task']}]" if g.get("task") else str(g["name"])
+    if g.get("task"):
+        return f"{g['name']}[{g['task']}]"
+    return f"{g['name']}@{g['seq_len']}" if g.get("seq_len") else str(g["name"])
 
 
 def _interval(g: dict) -> str:
@@ -205,7 +208,7 @@ def _gates_section(doc: dict) -> list[str]:
     for g in gates:
         ok = g.get("passed")
         extra = f" (against <code>{escape(str(g['against'])[:19])}…</code>)" if g.get("against") else ""
-        label = units.gate_label(g["name"]) + (f" [{g['task']}]" if g.get("task") else "")
+        label = units.gate_label(g["name"]) + units.gate_subject(g)
         rows.append([_Html(f"{escape(label)} <code>{escape(_gate_name(g))}</code>" + extra),
                      units.gate_value(g["name"], g.get("value")), _interval(g),
                      f"{units.gate_op(g['name'])} {units.gate_value(g['name'], g.get('threshold'))}",
@@ -244,6 +247,7 @@ def _accuracy_section(doc: dict) -> list[str]:
     parts.append(f"<p>top-1 agreement with the reference {escape(units.fraction(doc.get('top1_agreement')))}, mean "
                  f"per-token KL {escape(units.number(doc.get('mean_kl')))}, on {escape(units.count(doc.get('eval_tokens')))} "
                  "held-out tokens.</p>")
+    parts += _windows_section(doc)
     parts += _detectable_section(doc)
     parts += _tasks_section(doc.get("tasks") or [])
     if prev:
@@ -410,6 +414,28 @@ def _recipe_section(q: dict) -> list[str]:
         out.append(_table(["rung", "perplexity increase", "top-1 agreement", "mean KL", "judged on", "verdict", "time"],
                           rows, (1, 2, 3)))
     return out
+
+
+def _windows_section(doc: dict) -> list[str]:
+    """The window lengths evaluated (the positions each covers, against the model's sliding window), and the text
+    convention: what every window starts with."""
+    acc = (doc.get("conditions") or {}).get("accuracy") or {}
+    rows = [[_fmt(doc.get("seq_len") or acc.get("seq_len")), "0–" + str((acc.get("seq_len") or 1) - 1),
+             _fmt((doc.get("sequential") or {}).get("windows")), units.percent(doc.get("ppl_increase_pct")),
+             units.fraction(doc.get("top1_agreement")), _fmt(doc.get("mean_kl"))]]
+    for longer in doc.get("long_windows") or []:
+        n = longer.get("seq_len") or 0
+        rows.append([_fmt(n), f"0–{n - 1}", _fmt(longer.get("windows")) if longer.get("evaluated") else
+                     f"not evaluated: {longer.get('why')}", units.percent(longer.get("ppl_increase_pct")),
+                     units.fraction(longer.get("top1_agreement")), _fmt(longer.get("mean_kl"))])
+    window = acc.get("sliding_window")
+    text = acc.get("text") or {}
+    starts = " ".join(text.get("prefix_tokens") or []) or "the text itself (the tokenizer adds nothing before a text)"
+    note = (f"<p>Every window starts with {escape(starts)}; what the tokenizer puts before a text is conditioned on "
+            "and never scored." + (f" The model's sliding attention window is {window} tokens." if window else "")
+            + "</p>")
+    return [_table(["window length", "positions", "windows", "perplexity increase", "top-1 agreement", "mean KL"],
+                   rows, (0, 2, 3, 4, 5)), note]
 
 
 def _sequential_note(doc: dict) -> str:

@@ -140,7 +140,7 @@ const KilnUnits = (() => {
   }
 
   function gateLine(g) {
-    const label = gateLabel(g.name) + (g.task ? " [" + g.task + "]" : "");
+    const label = gateLabel(g.name) + (g.task ? " [" + g.task + "]" : g.seq_len ? " [" + g.seq_len + "-token windows]" : "");
     const interval = gateInterval(g);
     const word = gateDecision(g) + (g.decision === "undecided" ? " (evaluate more to decide)" : "");
     return label + " " + gateValue(g.name, g.value) + (interval ? " " + interval : "") + " " + gateOp(g.name) + " " +

@@ -89,6 +89,8 @@ def test_gate_lines():
         "throughput 30,307 tokens/s ≥ 1.00 tokens/s  pass"
     assert u.gate_line({"name": "max_task_accuracy_drop_pts", "task": "arc", "value": 4.0, "threshold": 3.0,
                         "passed": False}) == "task accuracy drop [arc] +4.00 pts ≤ +3.00 pts  FAIL"
+    assert u.gate_line({"name": "max_mean_kl", "seq_len": 512, "value": 0.07, "threshold": 0.05,
+                        "passed": False}) == "mean KL [512-token windows] 0.07 ≤ 0.05  FAIL"
     assert u.gate_line({"name": "max_peak_memory_bytes", "value": INF, "threshold": 8e9, "passed": False}) == \
         "peak memory ∞ ≤ 7.45 GiB  FAIL"
     assert u.gate_line({"name": "max_new_thing", "value": 0.5, "threshold": 1, "passed": True}) == \
@@ -110,6 +112,7 @@ GATE_CASES = [
         (0.3365, 3.0, True, {}), (44453888.0, 1.89571e10, True, {}), (INF, 0.85, False, {}),
         (2.9, 3.0, False, {"interval": [2.1, 3.7], "confidence": 0.99, "decision": "undecided"}),
         (0.9424, 0.85, True, {"interval": [0.9284, 0.9564], "confidence": 0.993, "decision": "pass", "task": "arc"}),
+        (0.031, 0.05, True, {"interval": [0.027, 0.035], "confidence": 0.986, "decision": "pass", "seq_len": 4096}),
     )
 ] + [{"name": "max_unknown", "value": 0.5, "threshold": 1, "passed": True}, {"name": "min_x", "passed": False}]
 
