@@ -20,6 +20,7 @@ import torch
 from kiln.spec import BuildSpec
 from validation.accuracy import ReferenceWindows, reference_windows
 from validation.runners import LogitsHead
+from validation.taskfile import TaskPolicy
 from validation.validate import eval_tokens, task_limits
 
 #: the reference runner has no shape limits: it runs at this batch whatever the engine's profile (results do not
@@ -61,8 +62,9 @@ def layout(spec: BuildSpec, dtype: torch.dtype = torch.float32) -> dict:
 
 
 def compute_reference(runner, checkpoint_dir: Path, eval_text: str, spec: BuildSpec,
-                      tasks: dict[str, Path] | None = None) -> Reference:
-    """Run the reference ``runner`` over the evaluation windows and ``tasks`` (digest → task file)."""
+                      tasks: dict[str, Path] | None = None, task_policy: TaskPolicy | None = None) -> Reference:
+    """Run the reference ``runner`` over the evaluation windows and ``tasks`` (digest → task file, read under
+    ``task_policy``: validation/taskfile.py, the settings' unless given)."""
     t = time.perf_counter()
     ids, seq = eval_tokens(checkpoint_dir, eval_text, spec)
     windows = reference_windows(runner, ids, seq, REFERENCE_BATCH)
@@ -73,5 +75,5 @@ def compute_reference(runner, checkpoint_dir: Path, eval_text: str, spec: BuildS
         _, max_len = task_limits(spec)  # the engine's length limit (it decides truncation), not its batch limit
         for digest, path in tasks.items():
             outcomes[digest] = evaluate_task(runner, checkpoint_dir, Path(path), max_batch=REFERENCE_BATCH,
-                                             max_len=max_len)
+                                             max_len=max_len, policy=task_policy)
     return Reference(windows, outcomes, time.perf_counter() - t)
