@@ -41,6 +41,7 @@ from validation.gates import effective_gates
 from validation.runners import open_engine, open_reference, reference_dtype
 from validation.reference import Reference, compute_reference, layout as reference_layout
 from validation.accuracy import window_batch
+from validation.taskfile import TaskPolicy, check_task_file
 from validation.validate import eval_tokens, judge_naming, previous_engine, validate
 
 STAGES = ("resolve", "quantize", "compile", "validate", "publish")
@@ -104,16 +105,13 @@ class Prepared:
         return cast(Path, self.resolved.local_dir)
 
 
-def evaluation_tasks(spec: BuildSpec, roots) -> dict:
-    """The spec's task files, checked (validation/tasks.py) before any work: content digest → path."""
-    if not spec.evaluation.tasks:
-        return {}
-    from validation.tasks import check_task_file
-
+def evaluation_tasks(spec: BuildSpec, policy: TaskPolicy) -> dict:
+    """The spec's task files, checked as data (validation/taskfile.py: nothing of them runs) before any work:
+    content digest → path."""
     out = {}
     for name in spec.evaluation.tasks:
-        path = task_path(name, roots=roots)
-        out[check_task_file(path)["digest"]] = path
+        path = task_path(name, roots=list(policy.roots))
+        out[check_task_file(path, policy)["digest"]] = path
     return out
 
 
@@ -121,6 +119,7 @@ class Builder:
     def __init__(self, settings: Settings, store: BlobStore, sessions: sessionmaker[Session], *,
                  on_event: Event | None = None, should_cancel: Callable[[], bool] | None = None):
         self.settings, self.sessions = settings, sessions
+        self.task_policy = TaskPolicy.of(settings)  # where task files may lie, which may run code (workers only)
         self.leases = BlobLeases(sessions, ttl_s=settings.lease_ttl_s, grace_s=settings.gc_grace_s)
         self.store = LeasedStore(store, self.leases) if store is not None else None
         self.stage_cache = StageCache(settings.cache_dir, self.store, sessions, max_bytes=settings.cache_max_bytes)
@@ -153,7 +152,7 @@ class Builder:
         toolchain = toolchain_for(spec.backend, spec.target)
         gates = effective_gates(spec.precision, spec.gates)
         data: dict[str, Any] = {"calibration": calib_digest, "evaluation": eval_digest}
-        tasks = evaluation_tasks(spec, roots)
+        tasks = evaluation_tasks(spec, self.task_policy)
         if tasks:
             data["tasks"] = list(tasks)
         if rebuild:
@@ -265,7 +264,8 @@ class Builder:
         def check(built: BuildSpec, engine_dir, hook=None) -> dict:
             return validate(open_engine(spec.backend, engine_dir), reference, p.checkpoint_dir, p.eval_text, built,
                             p.gates, vocab, previous=previous_engine(self.sessions, spec, p.build_key, p.data),
-                            engine_source=(spec.backend, engine_dir), before_timing=hook, tasks=p.tasks)
+                            engine_source=(spec.backend, engine_dir), before_timing=hook, tasks=p.tasks,
+                            task_policy=self.task_policy)
 
         t = time.perf_counter()
         report = check(first, cdir, before_timing)
@@ -311,7 +311,8 @@ class Builder:
         dtype = reference_dtype(p.model_config)  # this worker's CPU computes it: its bf16 units decide
         key = reference_key(p.resolved.digest, spec, toolchain, p.data, reference_layout(spec, dtype))
         folder, produced = self.stage_cache.get("reference", key, lambda out: compute_reference(
-            open_reference(p.checkpoint_dir, dtype), p.checkpoint_dir, p.eval_text, spec, p.tasks).save(out))
+            open_reference(p.checkpoint_dir, dtype), p.checkpoint_dir, p.eval_text, spec, p.tasks,
+            self.task_policy).save(out))
         reference = Reference.load(folder, p.checkpoint_dir)
         return reference, {"key": key, "reused": produced is None, "seconds_to_compute": reference.seconds}
 

@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     # s3:// checkpoints only from these buckets (comma separated); unset: none. The server reads them with its
     # own credentials, so which buckets a build may name is the operator's choice, not the caller's.
     checkpoint_buckets: str | None = None
+    # Folders (os.pathsep separated, under the checkpoint roots) whose evaluation task files may run code: `!function`
+    # modules and unsandboxed Jinja templates, on workers only. Unset: none; every task file is data
+    # (validation/taskfile.py, docs/security.md).
+    trusted_task_dirs: str | None = None
     # The most bytes a worker downloads for one hf:// or s3:// checkpoint (checked from metadata before).
     checkpoint_max_bytes: int = 200 << 30
     webhook_secret: str | None = None
@@ -112,6 +116,10 @@ class Settings(BaseSettings):
     def roots(self) -> list[Path]:
         raw = self.checkpoint_roots or os.getcwd()
         return [_expand(Path(p)) for p in raw.split(os.pathsep) if p]
+
+    @cached_property
+    def trusted_task_folders(self) -> list[Path]:
+        return [_expand(Path(p)) for p in (self.trusted_task_dirs or "").split(os.pathsep) if p]
 
 
 def _expand(path: Path) -> Path:

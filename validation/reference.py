@@ -20,6 +20,7 @@ import torch
 from kiln.spec import BuildSpec
 from validation.accuracy import ReferenceWindows, reference_windows
 from validation.runners import LogitsHead
+from validation.taskfile import TaskPolicy
 from validation.text import RULE as TEXT_RULE
 from validation.validate import eval_lengths, eval_tokens, task_limits
 
@@ -74,9 +75,9 @@ def layout(spec: BuildSpec, dtype: torch.dtype = torch.float32) -> dict:
 
 
 def compute_reference(runner, checkpoint_dir: Path, eval_text: str, spec: BuildSpec,
-                      tasks: dict[str, Path] | None = None) -> Reference:
-    """Run the reference ``runner`` over the evaluation windows at every length and ``tasks`` (digest → task
-    file)."""
+                      tasks: dict[str, Path] | None = None, task_policy: TaskPolicy | None = None) -> Reference:
+    """Run the reference ``runner`` over the evaluation windows at every length and ``tasks`` (digest → task file,
+    read under ``task_policy``: validation/taskfile.py, the settings' unless given)."""
     t = time.perf_counter()
     text = eval_tokens(checkpoint_dir, eval_text, spec)
     sets = [reference_windows(runner, text.ids, seq, max(1, REFERENCE_BATCH * text.seq // seq), text.convention)
@@ -88,5 +89,5 @@ def compute_reference(runner, checkpoint_dir: Path, eval_text: str, spec: BuildS
         _, max_len = task_limits(spec)  # the engine's length limit (it decides truncation), not its batch limit
         for digest, path in tasks.items():
             outcomes[digest] = evaluate_task(runner, checkpoint_dir, Path(path), max_batch=REFERENCE_BATCH,
-                                             max_len=max_len)
+                                             max_len=max_len, policy=task_policy)
     return Reference(sets[0], outcomes, time.perf_counter() - t, sets[1:])

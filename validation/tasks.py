@@ -3,27 +3,36 @@
 A task is a file, in one of two forms (docs/tasks.md):
 
 - an lm-eval task YAML (``output_type: multiple_choice``, ``dataset_path: json`` with local ``data_files``, relative
-  paths taken from the YAML's folder), read with lm-eval's own YAML loader (``include:``, ``!function``);
+  paths taken from the YAML's folder), read as data by validation/taskfile.py (``include:`` merged, ``!function``
+  only in a trusted folder);
 - a ``.jsonl`` of items ``{"id": optional str, "context": str, "choices": [str, ...], "answer": int}``, turned into
   the equivalent lm-eval task config (fields named directly, the ``acc`` metric).
 
 Both run through lm-eval's machinery — its ``TaskManager``, its request building (a choice is scored as the
 continuation ``" " + choice`` of the context), its ``evaluator.evaluate`` and its per-item ``acc`` / ``acc_norm`` —
 with :class:`RunnerLM`, which answers lm-eval's requests with any Kiln runner within an engine's limits, tokenizing
-and truncating as lm-eval's ``hf`` model does (both agree on an unquantized checkpoint). Nothing is fetched and
-nothing is written outside a temporary folder (the ``datasets`` cache of a run included).
+and truncating as lm-eval's ``hf`` model does (both agree on an unquantized checkpoint). While a task is loaded and
+evaluated (:func:`opened_task`) its templates render in Jinja's immutable sandbox and its metrics come only from
+lm-eval's registry; a task of a trusted folder (``KILN_TRUSTED_TASK_DIRS``) has its ``!function`` modules imported
+and its templates rendered unsandboxed. Nothing is fetched (data only from local files under the checkpoint roots,
+metrics only from lm-eval's registry) and nothing is written outside a temporary folder (the ``datasets`` cache of a
+run included).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import copy
 import functools
 import hashlib
-import json
+import importlib.util
 import logging
-import re
+import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -31,168 +40,128 @@ from torch.nn import functional as F
 
 from kiln.errors import SpecError
 from kiln.progress import report
+from validation.taskfile import FIELD, FunctionRef, TaskFile, TaskPolicy, check_task_file, read_task
 
-FIELD = "evaluation.tasks"
-JSONL_KEYS = ("id", "context", "choices", "answer")
-METRICS = ("acc", "acc_norm")
+__all__ = ["FIELD", "RunnerLM", "TaskPolicy", "check_task_file", "evaluate_lm", "evaluate_task", "opened_task",
+           "run_tasks", "task_config"]
+log = logging.getLogger(__name__)
 
 
 def _bad(path: Path, problem: str, fix: str) -> SpecError:
     return SpecError(f"task file {path.name}: {problem}", field=FIELD, fix=fix)
 
 
+# -- what a task may run ---------------------------------------------------------------------------
+_TRUSTED = contextvars.ContextVar("kiln_trusted_task", default=False)
+_GUARD = threading.Lock()
+_GUARDED: dict[str, Any] = {"depth": 0}  # and, while depth > 0, lm-eval's own apply_template and get_metric
+
+
+@functools.cache
+def _sandbox():
+    """lm-eval's template environment (``lm_eval.utils.env``: StrictUndefined, trailing newlines kept, its
+    ``regex_replace`` filter), sandboxed: no attribute starting with ``_``, no mutating method."""
+    from jinja2 import BaseLoader, StrictUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from lm_eval.utils import regex_replace
+
+    env = ImmutableSandboxedEnvironment(loader=BaseLoader, undefined=StrictUndefined, keep_trailing_newline=True)
+    env.filters["regex_replace"] = regex_replace
+    return env
+
+
+def _render(template: str, doc: dict) -> str:
+    """lm-eval's ``apply_template`` while a task is guarded: sandboxed unless the task is trusted."""
+    import lm_eval.utils
+
+    env = lm_eval.utils.env if _TRUSTED.get() else _sandbox()
+    return env.from_string(template).render(**doc)
+
+
+def _registered_metric(name, hf_evaluate_metric: bool = False):
+    """lm-eval's ``get_metric`` while a task is guarded: a registered metric, never ``evaluate.load`` of a name."""
+    from lm_eval.api.registry import metric_registry
+
+    if hf_evaluate_metric or not isinstance(name, str) or name not in metric_registry.keys():
+        raise ValueError("only lm-eval's registered metrics are used")
+    return metric_registry.get(name)
+
+
+@contextlib.contextmanager
+def guarded(*, trusted: bool) -> Iterator[None]:
+    """For the duration, lm-eval renders templates in :func:`_sandbox` (unless ``trusted``: its own environment)
+    and looks metrics up only in its registry. The patch stays while any guarded load runs, in any thread; each
+    context (thread, task) sees its own ``trusted``, and a thread lm-eval starts sees the sandbox."""
+    import lm_eval.api.task as lm_task
+    import lm_eval.utils as lm_utils
+
+    with _GUARD:
+        if _GUARDED["depth"] == 0:
+            _GUARDED.update(apply_template=lm_utils.apply_template, get_metric=lm_task.get_metric)
+            lm_utils.apply_template, lm_task.get_metric = _render, _registered_metric  # type: ignore[assignment]
+        _GUARDED["depth"] += 1
+    token = _TRUSTED.set(trusted)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
+        with _GUARD:
+            _GUARDED["depth"] -= 1
+            if _GUARDED["depth"] == 0:
+                lm_utils.apply_template, lm_task.get_metric = _GUARDED["apply_template"], _GUARDED["get_metric"]
+
+
+def _imported(ref: FunctionRef, path: Path) -> Any:
+    """A trusted task's ``!function``: its module file (checked to lie in the trusted folder) imported."""
+    module_file = ref.file
+    assert module_file is not None  # read_task refuses a !function without a module file
+    name = "kiln_task_" + hashlib.sha256(str(module_file).encode()).hexdigest()[:16]
+    spec = importlib.util.spec_from_file_location(name, module_file)
+    try:
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return getattr(module, ref.name)
+    except Exception as exc:
+        log.warning("task file %s: its !function at line %d cannot be imported", path, ref.line, exc_info=True)
+        raise _bad(path, f"line {ref.line}: its !function cannot be imported ({type(exc).__name__})",
+                   "fix the module (the worker's log has the error)") from None
+
+
+def _with_functions(value: Any, path: Path, seen: dict[int, Any]) -> Any:
+    """``value`` with every :class:`FunctionRef` replaced by the function it names (shared parts replaced once)."""
+    if isinstance(value, FunctionRef):
+        return _imported(value, path)
+    if id(value) in seen:
+        return seen[id(value)]
+    seen[id(value)] = value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            value[k] = _with_functions(v, path, seen)
+    elif isinstance(value, list):
+        value[:] = [_with_functions(v, path, seen) for v in value]
+    return value
+
+
 # -- task files ------------------------------------------------------------------------------------
-def check_task_file(path: str | Path) -> dict:
-    """Validate a task file without a model: ``{"name", "kind": "jsonl" | "yaml", "items", "metric", "digest"}``.
-    ``digest`` is the sha256 of the content (the YAML, what it includes, its data and function files; never a path),
-    the part of a build key that names the task. Raises :class:`SpecError` naming the line or item at fault."""
-    path = Path(path)
-    if not path.is_file():
-        raise _bad(path, f"not found ({path})", "give the path of an existing .jsonl or lm-eval .yaml task file")
-    if path.suffix == ".jsonl":
-        ids = _check_jsonl(path)
-        return {"name": _jsonl_name(path), "kind": "jsonl", "items": len(ids), "metric": "acc",
-                "digest": "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()}
-    if path.suffix not in (".yaml", ".yml"):
-        raise _bad(path, f"unsupported file type {path.suffix or '(none)'!r}", "use a .jsonl of items or an lm-eval .yaml")
-    with tempfile.TemporaryDirectory(prefix="kiln-task-check-") as tmp, _quiet():
-        cfg = task_config(path, cache_dir=Path(tmp))
-        task = _load_task(cfg, path)
-        docs = list(task.eval_docs)
-        for i, doc in enumerate(docs):
-            try:
-                task.doc_to_text(doc)
-                choices, target = task.doc_to_choice(doc), task.doc_to_target(doc)
-            except Exception as exc:
-                raise _bad(path, f"item {i}: lm-eval cannot render it: {type(exc).__name__}: {exc}",
-                           "fix doc_to_text / doc_to_choice / doc_to_target or the data") from None
-            if not isinstance(choices, list) or len(choices) < 2:
-                raise _bad(path, f"item {i}: {len(choices) if isinstance(choices, list) else 'no'} choices",
-                           "each item needs at least 2 choices")
-            if not (isinstance(target, int) and 0 <= target < len(choices)) and target not in choices:
-                raise _bad(path, f"item {i}: target {target!r} is not one of its {len(choices)} choices",
-                           "doc_to_target must give a choice index (0-based) or a choice's text")
-        ids = _item_ids(docs)
-        if len(set(ids)) != len(ids):
-            raise _bad(path, "item ids repeat", "give every item a distinct id (or none, to use positions)")
-        return {"name": task.config.task, "kind": "yaml", "items": len(docs), "metric": _metric_of(cfg),
-                "digest": "sha256:" + hashlib.sha256("".join(f"{d}\n" for d in _yaml_files(path)).encode()).hexdigest()}
-
-
-def _check_jsonl(path: Path) -> list[str]:
-    fix = 'one JSON object per line: {"id": "optional", "context": "...", "choices": ["...", "..."], "answer": 0}'
-    lines = path.read_text(encoding="utf-8").split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    ids = []
-    for n, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise _bad(path, f"line {n} is not JSON ({exc.msg})", fix) from None
-        if not isinstance(row, dict):
-            raise _bad(path, f"line {n} is not a JSON object", fix)
-        if unknown := sorted(set(row) - set(JSONL_KEYS)):
-            raise _bad(path, f"line {n}: unknown field(s) {', '.join(unknown)}", fix)
-        if missing := [k for k in JSONL_KEYS[1:] if k not in row]:
-            raise _bad(path, f"line {n}: missing {', '.join(missing)}", fix)
-        choices, answer = row["choices"], row["answer"]
-        if not isinstance(row["context"], str) or ("id" in row and not isinstance(row["id"], str)):
-            raise _bad(path, f"line {n}: context and id must be strings", fix)
-        if not isinstance(choices, list) or not all(isinstance(c, str) and c for c in choices):
-            raise _bad(path, f"line {n}: choices must be a list of non-empty strings", fix)
-        if len(choices) < 2 or len(set(choices)) != len(choices):
-            raise _bad(path, f"line {n}: {len(choices)} choices ({len(set(choices))} distinct)",
-                       "each item needs at least 2 distinct choices")
-        if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
-            raise _bad(path, f"line {n}: answer {answer!r} is not an index of its {len(choices)} choices",
-                       "answer is the 0-based index of the right choice")
-        ids.append(row.get("id", str(n - 1)))
-    if not ids:
-        raise _bad(path, "no items", fix)
-    if len(set(ids)) != len(ids):
-        raise _bad(path, "item ids repeat", "give every item a distinct id (or none, to use line positions)")
-    return ids
-
-
-def _jsonl_name(path: Path) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem)
-
-
-def _yaml_files(path: Path, top: bool = True) -> list[str]:
-    """sha256 of the YAML, of what it includes (recursively), of its ``!function`` modules and of its data files."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    out = [hashlib.sha256(path.read_bytes()).hexdigest()]
-    for module in re.findall(r"!function\s+([\w.]+)", path.read_text(encoding="utf-8")):
-        py = path.parent / (module.rpartition(".")[0].replace(".", "/") + ".py")
-        if py.is_file():
-            out.append(hashlib.sha256(py.read_bytes()).hexdigest())
-    includes = load_yaml(path, resolve_func=False, recursive=False).get("include") or []
-    for inc in includes if isinstance(includes, list) else [includes]:
-        out += _yaml_files(Path(inc) if Path(inc).is_absolute() else path.parent / inc, top=False)
-    if top:
-        files = _data_files(path, load_yaml(path, resolve_func=False))
-        out += [f"{split}:{hashlib.sha256(Path(f).read_bytes()).hexdigest()}"
-                for split, fs in sorted(files.items()) for f in fs]
-    return out
-
-
-def _data_files(path: Path, cfg: dict) -> dict[str, list[str]]:
-    """The config's local ``data_files`` as {split: [absolute paths]} (a bare file or list is datasets' "train")."""
-    if cfg.get("dataset_path") != "json":
-        raise _bad(path, f"dataset_path {cfg.get('dataset_path')!r} is not supported (builds run offline)",
-                   "use dataset_path: json with local dataset_kwargs.data_files")
-    files = (cfg.get("dataset_kwargs") or {}).get("data_files")
-    if not files:
-        raise _bad(path, "no dataset_kwargs.data_files", "name the local JSON / JSONL file(s) of the items")
-    files = files if isinstance(files, dict) else {"train": files}
-    out = {}
-    for split, fs in files.items():
-        out[split] = [str(f if Path(f).is_absolute() else (path.parent / f).resolve())
-                      for f in ([fs] if isinstance(fs, str) else fs)]
-        if missing := [f for f in out[split] if not Path(f).is_file()]:
-            raise _bad(path, f"data file {missing[0]} not found", "data_files paths are relative to the YAML's folder")
-    return out
-
-
-def task_config(path: str | Path, *, cache_dir: Path) -> dict:
+def task_config(path: str | Path, *, cache_dir: Path, policy: TaskPolicy | None = None) -> dict:
     """The lm-eval task config (a dict for ``TaskManager.load``) of a task file, reading data through ``cache_dir``.
-    A YAML is read with lm-eval's own loader; its ``data_files`` become absolute (relative to the YAML's folder)."""
-    path = Path(path)
-    if path.suffix == ".jsonl":
-        return {"task": _jsonl_name(path), "dataset_path": "json", "output_type": "multiple_choice",
-                "dataset_kwargs": {"data_files": {"test": str(path.resolve())}, "cache_dir": str(cache_dir)},
+    A YAML is read as data (validation/taskfile.py); its ``data_files`` become absolute; a trusted task's
+    ``!function`` modules are imported."""
+    return _lm_eval_config(read_task(path, policy), cache_dir)
+
+
+def _lm_eval_config(task: TaskFile, cache_dir: Path) -> dict:
+    data_files = {split: [str(f) for f in fs] for split, fs in task.data.items()}
+    if task.config is None:  # a .jsonl
+        return {"task": task.name, "dataset_path": "json", "output_type": "multiple_choice",
+                "dataset_kwargs": {"data_files": data_files, "cache_dir": str(cache_dir)},
                 "test_split": "test", "doc_to_text": "context", "doc_to_choice": "choices", "doc_to_target": "answer",
                 "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    try:
-        cfg = load_yaml(path, resolve_func=True)
-    except Exception as exc:
-        raise _bad(path, f"lm-eval cannot read it: {type(exc).__name__}: {exc}", "fix the YAML") from None
-    if not isinstance(cfg.get("task"), str) or "group" in cfg or "task_list" in cfg:
-        raise _bad(path, "not a single task (needs a task: name; groups are not supported)", "one task per YAML")
-    if cfg.get("output_type") != "multiple_choice":
-        raise _bad(path, f"output_type {cfg.get('output_type')!r} is not supported", "use output_type: multiple_choice")
-    if missing := [k for k in ("doc_to_text", "doc_to_choice", "doc_to_target") if cfg.get(k) is None]:
-        raise _bad(path, f"missing {', '.join(missing)}", "say how an item becomes a prompt, its choices and its answer")
-    split = cfg.get("test_split") or cfg.get("validation_split")
-    files = _data_files(path, cfg)
-    if split not in files:
-        raise _bad(path, f"split {split!r} is not among data_files ({', '.join(files)})",
-                   "set test_split (or validation_split) to a key of data_files")
-    _metric_of(cfg, path)
-    cfg["dataset_kwargs"] = {**cfg["dataset_kwargs"], "data_files": files, "cache_dir": str(cache_dir)}
+    cfg = _with_functions(copy.deepcopy(task.config), task.path, {})
+    cfg["dataset_kwargs"] = {"data_files": data_files, "cache_dir": str(cache_dir)}
     return cfg
-
-
-def _metric_of(cfg: dict, path: Path | None = None) -> str:
-    """``acc`` or ``acc_norm``: the first of them in the task's metric list (lm-eval's default list: acc first)."""
-    listed = [m.get("metric") if isinstance(m, dict) else m for m in cfg.get("metric_list") or []]
-    if chosen := next((m for m in listed if m in METRICS), None if listed else "acc"):
-        return chosen
-    raise _bad(path or Path("?"), f"metric_list {listed} has neither acc nor acc_norm", "list acc or acc_norm")
 
 
 def _load_task(cfg: dict, path: Path):
@@ -200,8 +169,43 @@ def _load_task(cfg: dict, path: Path):
 
     try:
         return next(iter(TaskManager(include_defaults=False).load([cfg])["tasks"].values()))
+    except SpecError:
+        raise
     except Exception as exc:
-        raise _bad(path, f"lm-eval cannot load the task: {type(exc).__name__}: {exc}", "fix the task file") from None
+        log.warning("task file %s: lm-eval cannot load it", path, exc_info=True)
+        raise _bad(path, f"lm-eval cannot load the task ({type(exc).__name__})",
+                   "fix the task file (templates render in Jinja's sandbox: no attribute starting with _)") from None
+
+
+def _check_items(task, path: Path) -> None:
+    """Every item renders to a prompt, at least 2 choices and a target among them (an index or a choice's text)."""
+    for i, doc in enumerate(task.eval_docs):
+        try:
+            task.doc_to_text(doc)
+            choices, target = task.doc_to_choice(doc), task.doc_to_target(doc)
+        except Exception as exc:
+            raise _bad(path, f"item {i}: lm-eval cannot render it ({type(exc).__name__})",
+                       "fix doc_to_text / doc_to_choice / doc_to_target or the data (templates render in Jinja's "
+                       "sandbox: no attribute starting with _)") from None
+        if not isinstance(choices, list) or len(choices) < 2:
+            raise _bad(path, f"item {i}: {len(choices) if isinstance(choices, list) else 'no'} choices",
+                       "each item needs at least 2 choices")
+        if not (isinstance(target, int) and 0 <= target < len(choices)) and target not in choices:
+            shown = f"target {target}" if isinstance(target, int) else "its target"
+            raise _bad(path, f"item {i}: {shown} is not one of its {len(choices)} choices",
+                       "doc_to_target must give a choice index (0-based) or a choice's text")
+
+
+@contextlib.contextmanager
+def opened_task(path: str | Path, *, policy: TaskPolicy | None = None) -> Iterator[tuple[TaskFile, Any]]:
+    """A task file read (validation/taskfile.py) and loaded as lm-eval's task, every item checked, for the duration:
+    its ``datasets`` cache in a temporary folder, lm-eval quiet, and :func:`guarded` (a trusted task's templates
+    unsandboxed). Raises :class:`SpecError` naming the item or field at fault, before any model runs."""
+    task_file = read_task(path, policy)
+    with tempfile.TemporaryDirectory(prefix="kiln-tasks-") as tmp, _quiet(), guarded(trusted=task_file.trusted):
+        task = _load_task(_lm_eval_config(task_file, Path(tmp)), task_file.path)
+        _check_items(task, Path(path))
+        yield task_file, task
 
 
 def _item_ids(docs: list, start: int = 0) -> list[str]:
@@ -360,18 +364,17 @@ class RunnerLM(TemplateLM):
 
 
 # -- running ---------------------------------------------------------------------------------------
-def evaluate_lm(lm, task_path: str | Path, *, limit: int | None = None, items: list[int] | None = None) -> dict:
+def evaluate_lm(lm, task_path: str | Path, *, limit: int | None = None, items: list[int] | None = None,
+                policy: TaskPolicy | None = None) -> dict:
     """Run one task file with an lm-eval model (a :class:`RunnerLM`, or e.g. lm-eval's own ``HFLM``):
     ``{"task", "metric", "items": [{"id", "correct", "score", "loglikelihoods"}...], "accuracy", "n"}``, items in
     the task's order, ``score`` the item's metric value (1.0 or 0.0), ``loglikelihoods`` one per choice.
     ``items``: only these items (positions in the task; lm-eval's ``samples``), e.g. one look of a sequential
-    evaluation."""
+    evaluation. ``policy``: where the task's files may lie and whether it may run code (the settings' unless
+    given)."""
     from lm_eval import evaluator
 
-    path = Path(task_path)
-    info = check_task_file(path)
-    with tempfile.TemporaryDirectory(prefix="kiln-tasks-") as tmp, _quiet():
-        task = _load_task(task_config(path, cache_dir=Path(tmp)), path)
+    with opened_task(task_path, policy=policy) as (info, task):
         if task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=1234)  # simple_evaluate's default fewshot seed
@@ -379,26 +382,29 @@ def evaluate_lm(lm, task_path: str | Path, *, limit: int | None = None, items: l
                                  limit=limit, samples={task.task_name: sorted(items)} if items is not None else None,
                                  log_samples=True, bootstrap_iters=0)
     samples = sorted(out["samples"][task.task_name], key=lambda s: s["doc_id"])
-    metric = info["metric"]
+    metric = info.metric
     scored = [{"id": _item_ids([s["doc"]], start=s["doc_id"])[0], "correct": bool(s[metric] == 1.0),
                "score": float(s[metric]), "loglikelihoods": [float(r[0]) for r in s["filtered_resps"]]}
               for s in samples]
     n = len(scored)
-    return {"task": info["name"], "metric": metric, "items": scored, "n": n,
+    return {"task": info.name, "metric": metric, "items": scored, "n": n,
             "accuracy": sum(float(s[metric]) for s in samples) / n if n else 0.0}
 
 
 def evaluate_task(runner, tokenizer_dir: str | Path, task_path: str | Path, *, max_batch: int, max_len: int,
-                  limit: int | None = None, items: list[int] | None = None) -> dict:
+                  limit: int | None = None, items: list[int] | None = None, policy: TaskPolicy | None = None) -> dict:
     """One task file on a runner within an engine's limits (see :func:`evaluate_lm` for the result)."""
     return evaluate_lm(RunnerLM(runner, tokenizer_dir, max_batch=max_batch, max_len=max_len), task_path, limit=limit,
-                       items=items)
+                       items=items, policy=policy)
 
 
 def run_tasks(runner, tokenizer_dir: str | Path, paths: list[str | Path], *, max_batch: int, max_len: int,
-              limit: int | None = None) -> list[dict]:
-    """:func:`evaluate_task` for each task file, the tokenizer loaded once; every file is checked before any runs."""
+              limit: int | None = None, policy: TaskPolicy | None = None) -> list[dict]:
+    """:func:`evaluate_task` for each task file, the tokenizer loaded once; every file is checked (read, loaded, its
+    items rendered) before any runs."""
+    policy = policy or TaskPolicy.of()
     for p in paths:
-        check_task_file(p)
+        with opened_task(p, policy=policy):
+            pass
     lm = RunnerLM(runner, tokenizer_dir, max_batch=max_batch, max_len=max_len)
-    return [evaluate_lm(lm, p, limit=limit) for p in paths]
+    return [evaluate_lm(lm, p, limit=limit, policy=policy) for p in paths]

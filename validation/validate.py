@@ -23,6 +23,7 @@ from validation.measure import (conditions, cpu_wait, decode_latency, peak_memor
 from validation import stats
 from validation.runners import Runner
 from validation.text import Convention, convention_of, load_tokenizer, stream, window_count
+from validation.taskfile import TaskPolicy
 
 ACCURACY_GATES = (*GATE_METRIC, TASK_GATE)
 PREVIOUS_STATUSES = ("fresh", "stale")  # validated and not withdrawn (stale: built from an older checkpoint head)
@@ -99,12 +100,13 @@ def task_limits(spec: BuildSpec) -> tuple[int, int]:
 
 
 def task_accuracy(engine, reference, tokenizer_dir: Path, spec: BuildSpec, tasks: dict[str, Path],
-                  threshold: float | None = None) -> list[dict]:
+                  threshold: float | None = None, policy: TaskPolicy | None = None) -> list[dict]:
     """Each task's accuracy for engine and reference, paired item by item (validation/stats.py), with every
     item's outcome. ``reference``: a validation.reference.Reference holding the reference's outcomes (of every
     item). With the task gate's ``threshold`` (and ``evaluation.sequential``) the engine's items are evaluated as the
     windows are: in a fixed random order, looking at the planned points at Pocock's confidence, and stopping at the
-    first look where the gate is decided; ``evaluated`` of ``total`` items says how far it went."""
+    first look where the gate is decided; ``evaluated`` of ``total`` items says how far it went. ``policy``: where
+    task files may lie and which may run code (validation/taskfile.py; the settings' unless given)."""
     from validation.accuracy import plan_looks
     from validation.tasks import evaluate_task
 
@@ -121,7 +123,7 @@ def task_accuracy(engine, reference, tokenizer_dir: Path, spec: BuildSpec, tasks
         done, decision = 0, None
         for look in planned:
             mine = evaluate_task(engine, tokenizer_dir, Path(path), max_batch=batch, max_len=max_len,
-                                 items=None if look == total and done == 0 else order[done:look])
+                                 items=None if look == total and done == 0 else order[done:look], policy=policy)
             engine_ok.update({item["id"]: item["correct"] for item in mine["items"]})
             done = look
             if any(i not in theirs for i in engine_ok) or len(engine_ok) != done:
@@ -149,9 +151,10 @@ def task_accuracy(engine, reference, tokenizer_dir: Path, spec: BuildSpec, tasks
 def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spec: BuildSpec,
              gates: dict[str, float], vocab: int, *, previous: dict | None = None,
              engine_source: tuple[str, Path] | None = None, before_timing: Callable[[], object] | None = None,
-             tasks: dict[str, Path] | None = None) -> dict:
+             tasks: dict[str, Path] | None = None, task_policy: TaskPolicy | None = None) -> dict:
     """``reference``: the reference's stored results (validation.reference.Reference), or a reference runner (its
-    results are computed here). ``tasks``: evaluation task files by content digest. ``previous``: the engine to
+    results are computed here). ``tasks``: evaluation task files by content digest, read under ``task_policy``
+    (validation/taskfile.py; the settings' unless given). ``previous``: the engine to
     compare with (:func:`previous_engine`), or None. ``engine_source``: (backend, engine_dir), so that peak memory
     is measured in a fresh process that loads the engine itself. ``before_timing`` is called after the accuracy
     pass, before anything is timed (the build waits there for work it ran beside the accuracy pass, so that no
@@ -159,7 +162,7 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
     from validation.reference import Reference, compute_reference
 
     if not isinstance(reference, Reference):
-        reference = compute_reference(reference, tokenizer_dir, eval_text, spec, tasks)
+        reference = compute_reference(reference, tokenizer_dir, eval_text, spec, tasks, task_policy)
     text = eval_tokens(tokenizer_dir, eval_text, spec)
     profile = spec.batch_profile
     batch = eval_batch(spec)
@@ -167,7 +170,8 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
     metrics = accuracy_at_lengths(engine, reference.sets, text.ids, text.lengths, batches, gates,
                                   sequential=spec.evaluation.sequential, convention=text.convention)
     if tasks:
-        metrics["tasks"] = task_accuracy(engine, reference, tokenizer_dir, spec, tasks, threshold=gates.get(TASK_GATE))
+        metrics["tasks"] = task_accuracy(engine, reference, tokenizer_dir, spec, tasks, threshold=gates.get(TASK_GATE),
+                                         policy=task_policy)
     accuracy_verdicts = evaluate(metrics, {k: t for k, t in gates.items() if k in ACCURACY_GATES})
     failed_accuracy = [v for v in accuracy_verdicts if not v["passed"]]
     if before_timing is not None:

@@ -99,9 +99,9 @@ def _yaml(tmp_path: Path, text: str = YAML_TEXT, rows=({**GOOD, "answer": 0}, {*
     (["{not json"], "line 1 is not JSON"),
     ([GOOD, "[1, 2]"], "line 2 is not a JSON object"),
     ([{k: v for k, v in GOOD.items() if k != "answer"}], "line 1: missing answer"),
-    ([{**GOOD, "anwser": 0}], "unknown field(s) anwser"),
-    ([{**GOOD, "answer": 2}], "line 1: answer 2 is not an index"),
-    ([{**GOOD, "answer": True}], "answer True is not an index"),
+    ([{**GOOD, "anwser": 0}], "line 1: 1 unknown field(s)"),
+    ([{**GOOD, "answer": 2}], "line 1: answer is not an index of its 2 choices"),
+    ([{**GOOD, "answer": True}], "answer is not an index"),
     ([{**GOOD, "choices": ["only"], "answer": 0}], "line 1: 1 choices"),
     ([{**GOOD, "choices": ["same", "same"]}], "2 choices (1 distinct)"),
     ([{**GOOD, "choices": ["ok", ""]}], "non-empty strings"),
@@ -127,20 +127,31 @@ def test_missing_empty_and_unsupported_files_are_spec_errors(tmp_path):
 
 @pytest.mark.parametrize("change, says", [
     (("output_type: multiple_choice", "output_type: generate_until"), "output_type 'generate_until' is not supported"),
-    (("dataset_path: json", "dataset_path: allenai/ai2_arc"), "dataset_path 'allenai/ai2_arc' is not supported"),
-    (("test: items.jsonl", "test: gone.jsonl"), "gone.jsonl not found"),
-    (("test_split: test", "test_split: validation"), "split 'validation' is not among data_files"),
+    (("dataset_path: json", "dataset_path: allenai/ai2_arc"), "dataset_path is not json"),
+    (("test: items.jsonl", "test: gone.jsonl"), "data file 1 not found"),
+    (("test_split: test", "test_split: validation"), "test_split (or validation_split) names no split of data_files"),
     (('doc_to_target: "{{answer}}"\n', ""), "missing doc_to_target"),
-    (('doc_to_target: "{{answer}}"', 'doc_to_target: "{{answer * 5}}"'), "item 1: target 5 is not one of its 2"),
-    (('doc_to_choice: "{{choices}}"', 'doc_to_choice: "{{choices[0]}}"'), "lm-eval cannot load the task"),
     (("task: t\n", "group: g\n"), "not a single task"),
     (("test_split: test\n", "test_split: test\nmetric_list:\n  - metric: f1\n"), "has neither acc nor acc_norm"),
-    (("task: t\n", "task: [t\n"), "lm-eval cannot read it"),
+    (("task: t\n", "task: [t\n"), "not valid YAML (line 2)"),
 ])
 def test_bad_yaml_tasks_are_spec_errors(tmp_path, change, says):
     path = _yaml(tmp_path, YAML_TEXT.replace(*change))
     with pytest.raises(SpecError) as err:
         tasks.check_task_file(path)
+    assert err.value.field == "evaluation.tasks" and says in err.value.message, err.value.message
+
+
+@pytest.mark.parametrize("change, says", [
+    (('doc_to_target: "{{answer}}"', 'doc_to_target: "{{answer * 5}}"'), "item 1: target 5 is not one of its 2"),
+    (('doc_to_choice: "{{choices}}"', 'doc_to_choice: "{{choices[0]}}"'), "lm-eval cannot load the task"),
+])
+def test_templates_that_do_not_render_are_spec_errors_when_the_task_is_opened(tmp_path, change, says):
+    """Templates are rendered only where a task runs (a worker, in Jinja's sandbox), not by the check."""
+    path = _yaml(tmp_path, YAML_TEXT.replace(*change))
+    assert tasks.check_task_file(path)["items"] == 2
+    with pytest.raises(SpecError) as err, tasks.opened_task(path):
+        pass
     assert err.value.field == "evaluation.tasks" and says in err.value.message, err.value.message
 
 
