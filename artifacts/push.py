@@ -102,13 +102,15 @@ def parse_destination(text: str, *, field: str = "dest") -> Destination:
 
 def registry_host(host: str) -> str:
     """One spelling per registry host, as a container runtime reaches it: lower case, no trailing dot on the
-    name, no ``:443`` (HTTPS's default port: ``kiln.example.com:443`` is ``kiln.example.com``)."""
+    name, the port as a number (``:0443`` is ``:443``) and no ``:443`` (HTTPS's default port:
+    ``kiln.example.com:443`` is ``kiln.example.com``)."""
     host = host.strip().lower()
     name, colon, port = host.rpartition(":")
-    if not colon or not port.isdigit() or (name.startswith("[") != name.endswith("]")):
+    if not colon or not port.isascii() or not port.isdigit() or (name.startswith("[") != name.endswith("]")):
         name, port = host, ""  # no port (an IPv6 address without brackets has colons of its own)
     name = name.rstrip(".")
-    return name if port in ("", "443") else f"{name}:{port}"
+    number = int(port) if port else 443
+    return name if number == 443 else f"{name}:{number}"
 
 
 def is_local(hostname: str) -> bool:

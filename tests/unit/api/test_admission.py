@@ -311,6 +311,24 @@ def test_the_hosts_of_this_registry_in_any_spelling_are_judged():
     assert registry_host("[::1]:443") == "[::1]" and registry_host("[::1]:5000") == "[::1]:5000"
 
 
+def test_a_port_with_leading_zeros_is_the_same_port():
+    """The port is a number: ``:0443`` is HTTPS's default port and ``:05000`` is ``:5000``. Compared as strings,
+    a tag reference to this registry written so (also with a trailing dot, in upper case) was admitted unchecked
+    as another registry's."""
+    hosts = registry_hosts("kiln.example.com, registry:5000")
+    for alias in ("kiln.example.com:0443", "kiln.example.com.:0443", "KILN.EXAMPLE.COM.:00443", "registry:05000",
+                  "Registry.:005000"):
+        assert registry_host(alias) in hosts, alias
+        for image in (f"{alias}/acme/tiny:latest", f"{alias}/acme/tiny@{D_REVOKED}"):
+            r = review(pod_create(image=image), hosts=hosts, allow_tags=False, trusted={KEY}, lookup=lookup)
+            assert r["response"]["allowed"] is False, image
+    assert registry_hosts("kiln.example.com:0443") == {"kiln.example.com"}
+    assert registry_host("[::1]:0443") == "[::1]" and registry_host("[::1]:05000") == "[::1]:5000"
+    r = review(pod_create(image=f"kiln.example.com:4430/acme/tiny@{D_REVOKED}"), hosts=hosts, allow_tags=False,
+               trusted={KEY}, lookup=lookup)
+    assert r["response"]["allowed"] is True  # another port: another registry
+
+
 def test_without_registry_hosts_the_webhook_denies_rather_than_trusting_the_host_header(tmp_path):
     """The webhook took the request's own Host as the registry's name: a caller chose which references are
     judged. Unconfigured, every image is denied, saying why; a deletion is still allowed."""
