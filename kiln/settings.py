@@ -9,8 +9,10 @@ import os
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kiln.errors import SettingsInvalid
 
 
 class Settings(BaseSettings):
@@ -66,8 +68,11 @@ class Settings(BaseSettings):
     # than the grace period is not swept (builder/leases.py). Stage outputs unused this long may be collected.
     gc_grace_s: float = Field(default=3600.0, gt=0)
     lease_ttl_s: float = Field(default=6 * 3600.0, gt=0)
-    # `kiln push` (and replication): credentials for the target registry; unset: the docker config's (auths), or
-    # anonymous (artifacts/push.py)
+    # `kiln push` (and replication): credentials per registry host, JSON in the docker config's `auths` shape:
+    # {"host[:port]": {"username": "…", "password": "…"} | {"auth": "<base64 user:password>"}}. A host's entry is
+    # sent to that host only; a host without one: the docker config's entry, or anonymous (artifacts/push.py).
+    registry_auths: str | None = None
+    # No longer read (they went to every destination host): set, they are refused (below).
     registry_username: str | None = None
     registry_password: str | None = None
     # After a build succeeds, push its engine with its referrers to host[:port][/prefix] (as
@@ -77,6 +82,19 @@ class Settings(BaseSettings):
     replicate_insecure: bool = False
     # /docs and /redoc load Swagger UI / ReDoc scripts from a CDN: off unless asked for (/openapi.json always)
     api_docs: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_unsafe(self) -> Settings:
+        """Refuse the unscoped registry credentials: raised as :class:`SettingsInvalid` (not a ValueError: pydantic
+        would wrap it in several lines)."""
+        unscoped = [n for n, v in (("KILN_REGISTRY_USERNAME", self.registry_username),
+                                   ("KILN_REGISTRY_PASSWORD", self.registry_password)) if v]
+        if unscoped:
+            raise SettingsInvalid("is no longer read: not scoped to a registry host, it went to every host pushed to"
+                                  + (f" (so did {unscoped[1]})" if unscoped[1:] else ""), field=unscoped[0],
+                                  fix='set KILN_REGISTRY_AUTHS=\'{"host[:port]": {"username": "…", "password": "…"}}\','
+                                      ' an entry per host')
+        return self
 
     @property
     def auth_required(self) -> bool:
