@@ -380,6 +380,30 @@ def test_keys_artifacts_and_resolve_say_who_signed(tmp_path):
     assert r.status_code == 200 and r.json()["signature"] == sig
 
 
+def test_an_api_given_public_keys_only_lists_them_and_makes_no_key():
+    """API pods get the signing key's public half (KILN_TRUSTED_KEYS), not the private key. Such an API made a key
+    of its own under KILN_HOME and listed it first, as the signing key (`kiln keys public --server` printed it):
+    it lists the configured keys only, none as its own, and makes none."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from api.app import create_app
+    from artifacts.signing import fingerprint
+    from kiln import db
+    from kiln.settings import Settings
+
+    public = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    settings = Settings(registry_hosts=HOST, trusted_keys=public.decode())
+    db.upgrade(settings.db_url)
+    client = TestClient(create_app(settings, enqueue=lambda *a, **k: None))
+    keys = client.get("/v1/keys").json()["keys"]
+    assert [(k["fingerprint"], k["signing"]) for k in keys] == [(fingerprint(public), False)]
+    pem = client.get("/v1/keys", headers={"Accept": "application/x-pem-file"}).content
+    assert pem == keys[0]["public_key"].encode()
+    assert not (settings.home_dir / "keys").exists()
+
+
 def test_every_verdict_from_the_index_facts(tmp_path, monkeypatch):
     """engine_facts reads each verdict's fact from the real index: a revoke through the route (its reason comes
     back), a rejected engine (its reason), an unknown digest, the target against the pod's GPU, a head the
