@@ -19,8 +19,8 @@ from api.output import json_line
 @click.option("--verbose", "-v", is_flag=True, help="a line on stderr per blob and manifest sent")
 def push(ref: str, dest: str, insecure: bool, as_json: bool, verbose: bool) -> None:
     """Push engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag) by digest to DEST
-    (host[:port]/repository[:tag]) with its referrers. Credentials: KILN_REGISTRY_USERNAME and
-    KILN_REGISTRY_PASSWORD, else the docker config's auths entry for the host, else anonymous. The copy is recorded:
+    (host[:port]/repository[:tag]) with its referrers. Credentials: DEST's host's entry in KILN_REGISTRY_AUTHS
+    (JSON, as a docker config's auths), else in the docker config, else anonymous; sent to that host only. The copy is recorded:
     the admission webhook then admits DEST's repository@digest as this engine, and `kiln resolve --registry` prints
     it."""
     from builder.replicate import push_engine
@@ -28,8 +28,8 @@ def push(ref: str, dest: str, insecure: bool, as_json: bool, verbose: bool) -> N
     settings, store, sessions = _context()
     row = _find_artifact(sessions, ref)
     step = (lambda text: click.echo(f"kiln: {text}", err=True)) if verbose else None
-    result = push_engine(store, sessions, row.digest, dest, insecure=insecure, username=settings.registry_username,
-                         password=settings.registry_password, on_step=step, model=_named_repository(ref))
+    result = push_engine(store, sessions, row.digest, dest, insecure=insecure, auths=settings.registry_auths,
+                         on_step=step, model=_named_repository(ref))
     if row.status != "fresh":
         click.echo(f"kiln: warning: {row.digest} is {row.status}; pushed anyway (pinned by digest)", err=True)
     if as_json:

@@ -90,10 +90,12 @@ def requeue_waiting(queues: list[str]) -> int:
 @click.option("--name", help="worker name (default: host-pid)")
 def worker(queues: str | None, concurrency: int, name: str | None) -> None:
     """Run a Celery build worker on the queues this machine can serve."""
+    from kiln.settings import get_settings
     from workers.capabilities import detect
     from workers.liveness import record_beat, register
     from workers.services import build_services
 
+    get_settings()  # a refused setting (a shipped placeholder) stops the worker before anything else
     if concurrency < 1:
         raise SpecError(f"--concurrency must be at least 1, not {concurrency}", field="concurrency",
                         fix="give the number of builds this worker runs at once, e.g. --concurrency 1")

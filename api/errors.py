@@ -96,6 +96,7 @@ TABLE: dict[type[e.KilnError], Row] = {
     e.ToolchainMissing: Row(503, 3),
     e.StorageUnavailable: Row(503, 3),
     e.DatabaseUnavailable: Row(503, 3, None, (("Retry-After", "5"),)),
+    e.SettingsInvalid: Row(500, 2),
     e.RegistryUnavailable: Row(502, 3),
     e.RegistryDenied: Row(502, 2),
     e.StageFailed: Row(500, 3),

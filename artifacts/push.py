@@ -18,8 +18,16 @@ engine), the referrers tag schema's index where the registry has no referrers AP
   listing them, read first and merged, so referrers pushed by others are kept.
 * **Auth**: anonymous, then on a ``401`` its ``WWW-Authenticate`` challenge: ``Basic`` (the credentials), or
   ``Bearer realm=…,service=…,scope=…`` (a token fetched from the realm, with the credentials as Basic auth when
-  there are any). Credentials (:func:`credentials_for`): ``KILN_REGISTRY_USERNAME``/``KILN_REGISTRY_PASSWORD``,
-  else the ``auths`` entry of the docker config (``$DOCKER_CONFIG/config.json``, default ``~/.docker``).
+  there are any). Credentials are chosen per registry host (:func:`credentials_for`): the host's entry in
+  ``KILN_REGISTRY_AUTHS`` (JSON, the docker config's ``auths`` shape), else in the docker config
+  (``$DOCKER_CONFIG/config.json``, default ``~/.docker``).
+* **Credentials stay with their origin**: an ``Authorization`` header (Basic, or the Bearer token) goes only to the
+  registry's own origin (scheme, host, port). An upload ``Location`` on another origin gets the bytes without it
+  (and a ``401`` from there is refused); redirects are not followed; a token realm on another host gets that
+  host's own credentials, if any are configured, never the registry's. A ``Location`` or realm that turns https
+  into plain http is refused (:class:`~kiln.errors.RegistryDenied`).
+* **Replies are read bounded**, as they arrive: manifests and referrer indexes 4 MiB, token answers 1 MiB, any other
+  body (errors, bodies not used) is read to 64 KiB and the rest left unread.
 * **Transport**: https, except for ``localhost``/``127.0.0.1``/``::1`` or with ``insecure=True``: plain http.
 """
 
@@ -50,9 +58,14 @@ REPOSITORY_RE = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")  # the distributi
 TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _HOST_RE = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(?::[0-9]{1,5})?")
 DEST_FIX = "write host[:port]/repository[:tag], e.g. registry.example.com/models/llama or localhost:5000/llama:fp8"
-CREDENTIALS_FIX = "run `docker login {host}`, or set KILN_REGISTRY_USERNAME and KILN_REGISTRY_PASSWORD"
+AUTHS_SETTING = "KILN_REGISTRY_AUTHS"
+CREDENTIALS_FIX = ("run `docker login {host}`, or set KILN_REGISTRY_AUTHS to "
+                   "'{{\"{host}\": {{\"username\": \"…\", \"password\": \"…\"}}}}'")
 MANIFEST_ACCEPT = ", ".join((MEDIA_TYPE_IMAGE_MANIFEST, MEDIA_TYPE_IMAGE_INDEX))
-ERROR_BODY_LIMIT = 64 << 10
+MANIFEST_LIMIT = 4 << 20  # the distribution-spec lets registries refuse manifests over 4 MiB; so do we
+TOKEN_LIMIT = 1 << 20  # a token service's JSON answer (JWTs are kilobytes)
+ERROR_BODY_LIMIT = 64 << 10  # an error body is read only to quote it; a body Kiln does not use, no further
+_CHUNK = 64 << 10
 
 
 # -- where to ----------------------------------------------------------------------------------------------------
@@ -102,13 +115,15 @@ def parse_destination(text: str, *, field: str = "dest") -> Destination:
 
 def registry_host(host: str) -> str:
     """One spelling per registry host, as a container runtime reaches it: lower case, no trailing dot on the
-    name, no ``:443`` (HTTPS's default port: ``kiln.example.com:443`` is ``kiln.example.com``)."""
+    name, the port as a number (``:0443`` is ``:443``) and no ``:443`` (HTTPS's default port:
+    ``kiln.example.com:443`` is ``kiln.example.com``)."""
     host = host.strip().lower()
     name, colon, port = host.rpartition(":")
-    if not colon or not port.isdigit() or (name.startswith("[") != name.endswith("]")):
+    if not colon or not port.isascii() or not port.isdigit() or (name.startswith("[") != name.endswith("]")):
         name, port = host, ""  # no port (an IPv6 address without brackets has colons of its own)
     name = name.rstrip(".")
-    return name if port in ("", "443") else f"{name}:{port}"
+    number = int(port) if port else 443
+    return name if number == 443 else f"{name}:{number}"
 
 
 def is_local(hostname: str) -> bool:
@@ -136,20 +151,66 @@ def docker_config_path() -> Path:
 
 
 def _auth_key_host(key: str) -> str:
-    """A docker config ``auths`` key (``host``, ``https://host``, ``https://host/v1/``) → ``host[:port]``."""
+    """An ``auths`` key (``host``, ``https://host``, ``https://host/v1/``) → ``host[:port]`` in
+    :func:`registry_host`'s spelling."""
     if "://" in key:
         key = urlsplit(key).netloc
-    return key.split("/", 1)[0]
+    return registry_host(key.split("/", 1)[0])
 
 
-def credentials_for(host: str, *, username: str | None = None, password: str | None = None,
-                    docker_config: Path | None = None) -> Credentials | None:
-    """The credentials for ``host``: ``username``/``password`` (``KILN_REGISTRY_USERNAME``/``_PASSWORD``) when both
-    are given, else the docker config's ``auths`` entry for the host (``auth``: base64 ``user:password``, or
-    ``username`` and ``password``), else None (anonymous). Credential helpers (``credsStore``, ``credHelpers``) and
-    ``identitytoken`` entries are not read."""
-    if username and password:
-        return Credentials(username, password, "KILN_REGISTRY_USERNAME/KILN_REGISTRY_PASSWORD")
+def _entry_credentials(entry: Any, host: str, source: str, field: str) -> Credentials | None:
+    """One ``auths`` entry: ``auth`` (base64 ``user:password``), or ``username`` and ``password``."""
+    if not isinstance(entry, dict):
+        return None
+    if isinstance(entry.get("auth"), str) and entry["auth"]:
+        try:
+            user, sep, secret = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            sep = ""
+        if not sep:
+            raise InvalidRequest(f"{source} has an 'auth' for {host} that is not base64 user:password", field=field,
+                                 fix=CREDENTIALS_FIX.format(host=host))
+        return Credentials(user, secret, source)
+    if entry.get("username") and entry.get("password"):
+        return Credentials(str(entry["username"]), str(entry["password"]), source)
+    return None
+
+
+def _lookup(auths: Any, host: str, source: str, field: str) -> Credentials | None:
+    want = registry_host(host)
+    for key, entry in auths.items() if isinstance(auths, dict) else ():
+        if isinstance(key, str) and _auth_key_host(key) == want:
+            found = _entry_credentials(entry, host, source, field)
+            if found is not None:
+                return found
+    return None
+
+
+def parse_auths(text: str | None) -> dict[str, Any]:
+    """``KILN_REGISTRY_AUTHS``: a JSON object in the docker config's ``auths`` shape, ``{"host[:port]": {"username":
+    …, "password": …} | {"auth": base64 user:password}}``; :class:`InvalidRequest` naming the setting otherwise
+    (the message never quotes it: it holds secrets)."""
+    if not text or not text.strip():
+        return {}
+    try:
+        auths = json.loads(text)
+    except ValueError:
+        auths = None
+    if not isinstance(auths, dict) or not all(isinstance(v, dict) for v in auths.values()):
+        raise InvalidRequest(f"{AUTHS_SETTING} is not a JSON object of host → {{username, password}} or {{auth}}",
+                             field=AUTHS_SETTING,
+                             fix='write {"registry.example.com": {"username": "…", "password": "…"}}')
+    return auths
+
+
+def credentials_for(host: str, *, auths: str | None = None, docker_config: Path | None = None) -> Credentials | None:
+    """The credentials for registry ``host`` (``host[:port]``, compared in :func:`registry_host`'s spelling) and for
+    no other: its entry in ``auths`` (``KILN_REGISTRY_AUTHS``, :func:`parse_auths`), else the docker config's
+    ``auths`` entry for it (``auth``: base64 ``user:password``, or ``username`` and ``password``), else None
+    (anonymous). Credential helpers (``credsStore``, ``credHelpers``) and ``identitytoken`` entries are not read."""
+    found = _lookup(parse_auths(auths), host, AUTHS_SETTING, AUTHS_SETTING)
+    if found is not None:
+        return found
     path = docker_config or docker_config_path()
     try:
         config = json.loads(path.read_text())
@@ -157,23 +218,8 @@ def credentials_for(host: str, *, username: str | None = None, password: str | N
         return None
     except (OSError, ValueError) as exc:
         raise InvalidRequest(f"the docker config {path} is unreadable ({type(exc).__name__})", field="docker_config",
-                             fix="fix or remove it, or set KILN_REGISTRY_USERNAME and KILN_REGISTRY_PASSWORD") from None
-    auths = config.get("auths") if isinstance(config, dict) else None
-    for key, entry in (auths or {}).items() if isinstance(auths, dict) else ():
-        if _auth_key_host(key) != host or not isinstance(entry, dict):
-            continue
-        if isinstance(entry.get("auth"), str) and entry["auth"]:
-            try:
-                user, sep, secret = base64.b64decode(entry["auth"]).decode().partition(":")
-            except (ValueError, UnicodeDecodeError):
-                sep = ""
-            if not sep:
-                raise InvalidRequest(f"the docker config {path} has an 'auth' for {host} that is not base64 "
-                                     "user:password", field="docker_config", fix=CREDENTIALS_FIX.format(host=host))
-            return Credentials(user, secret, str(path))
-        if entry.get("username") and entry.get("password"):
-            return Credentials(str(entry["username"]), str(entry["password"]), str(path))
-    return None
+                             fix=f"fix or remove it, or set {AUTHS_SETTING}") from None
+    return _lookup(config.get("auths") if isinstance(config, dict) else None, host, str(path), "docker_config")
 
 
 # -- the client --------------------------------------------------------------------------------------------------
@@ -189,15 +235,57 @@ def _challenge(header: str) -> tuple[str, dict[str, str]]:
 Body = bytes | Callable[[], Iterator[bytes]] | None
 
 
+def origin(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of an absolute URL: what the same-origin rule compares (a host without case or a
+    trailing dot, the scheme's default port filled in)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return scheme, (parts.hostname or "").rstrip(".").lower(), port or (443 if scheme == "https" else 80)
+
+
+def _shown(url: str) -> str:
+    """A URL for a message: scheme, host and path only (an upload URL's query may hold the registry's state)."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+
+
+def _read_bounded(resp: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """Up to ``limit`` bytes of a streamed response's body, and whether it had more (what is past the bound is
+    never read). A content-encoded body is not decoded (one small gzip chunk can inflate to any size): it reads as
+    empty and over the bound."""
+    if resp.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+        return b"", True
+    parts, got = [], 0
+    try:
+        chunks: Iterator[bytes] = resp.iter_raw(_CHUNK)
+        for chunk in chunks:
+            parts.append(chunk)
+            got += len(chunk)
+            if got > limit:
+                break
+    except httpx.StreamConsumed:  # a response built in memory (an in-process transport): its bytes are all here
+        parts, got = [resp.content], len(resp.content)
+    data = b"".join(parts)
+    return data[:limit], got > limit
+
+
 class Registry:
-    """An OCI distribution API client for one registry host, with its auth (see the module's doc)."""
+    """An OCI distribution API client for one registry host, with its auth (see the module's doc).
+    ``credentials`` are this host's; ``credentials_for_host`` (``host[:port]`` → credentials or None) gives those of
+    another host, asked only for a token realm there."""
 
     def __init__(self, host: str, *, insecure: bool = False, credentials: Credentials | None = None,
+                 credentials_for_host: Callable[[str], Credentials | None] | None = None,
                  client: httpx.Client | None = None, timeout: float = 300.0) -> None:
         self.host = host
         hostname = urlsplit(f"//{host}").hostname or host
         self.base = f"{'http' if insecure or is_local(hostname) else 'https'}://{host}"
         self.credentials = credentials
+        self.credentials_for_host = credentials_for_host
         self.client = client or httpx.Client(timeout=httpx.Timeout(timeout, connect=30.0))
         self._authorization: str | None = None
 
@@ -210,19 +298,53 @@ class Registry:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- where requests go
+    def _same_origin(self, url: str, what: str) -> bool:
+        """Whether ``url`` is this registry's origin, so may carry its ``Authorization``. A scheme other than http(s),
+        or plain http where the registry is spoken to over https, is refused."""
+        scheme = urlsplit(url).scheme.lower()
+        if scheme not in ("http", "https"):
+            raise RegistryDenied(f"{self.host} named {what} at {_shown(url)!r}, not an http(s) URL", field="dest",
+                                 fix="use a registry that implements the distribution API")
+        if scheme == "http" and self.base.startswith("https://"):
+            raise RegistryDenied(f"{self.host} sent {what} to plain http ({_shown(url)}) from https: refused (the "
+                                 "bytes and any token would cross the network unencrypted)", field="dest",
+                                 fix=f"configure {self.host} to name https URLs (its external URL or proxy headers)")
+        return origin(url) == origin(self.base)
+
+    def _send(self, method: str, url: str, headers: dict[str, str], content: Any, limit: int, *, whole: bool,
+              what: str) -> httpx.Response:
+        """One request, never following a redirect, its reply read bounded (:func:`_read_bounded`): a reply Kiln
+        needs ``whole`` is refused past ``limit``; any other is cut there. The reply comes back read."""
+        request = self.client.build_request(method, url, headers={"Accept-Encoding": "identity", **headers},
+                                            content=content)
+        resp = self.client.send(request, stream=True, follow_redirects=False)
+        try:
+            body, more = _read_bounded(resp, limit)
+        finally:
+            resp.close()
+        if more and whole and 200 <= resp.status_code < 300:
+            raise RegistryDenied(f"{self.host} answered {what} with more than {limit} bytes (or an encoded body): "
+                                 "refused unread", field="dest", fix="use a registry that serves OCI manifests")
+        return httpx.Response(resp.status_code, headers=resp.headers, content=body, request=request)
+
     # -- requests and auth
     def request(self, method: str, url: str, *, repository: str, headers: dict[str, str] | None = None,
-                body: Body = None, ok: tuple[int, ...] = (200,), missing: tuple[int, ...] = ()) -> httpx.Response:
+                body: Body = None, ok: tuple[int, ...] = (200,), missing: tuple[int, ...] = (),
+                limit: int = ERROR_BODY_LIMIT, whole: bool = False) -> httpx.Response:
         """One request, authenticated on a ``401`` and sent again once. A status in ``ok`` or ``missing`` is
-        returned; any other is raised as the domain error it means."""
+        returned; any other is raised as the domain error it means. ``url``: a path on the registry, or an absolute
+        URL it named (an upload ``Location``), which gets the registry's ``Authorization`` only on its origin.
+        The reply is read to ``limit`` bytes (``whole``: refused past it)."""
         url = url if "://" in url else self.base + url
+        own = self._same_origin(url, f"{method} {urlsplit(url).path}")
         for attempt in (1, 2):
             send = dict(headers or {})
-            if self._authorization:
+            if self._authorization and own:
                 send["Authorization"] = self._authorization
             content = body() if callable(body) else body
             try:
-                resp = self.client.request(method, url, headers=send, content=content)
+                resp = self._send(method, url, send, content, limit, whole=whole, what=f"{method} {urlsplit(url).path}")
             except httpx.TransportError as exc:
                 https = url.startswith("https://")
                 raise RegistryUnavailable(
@@ -230,6 +352,10 @@ class Registry:
                     fix=("is it a plain-http registry? then pass --insecure" if https else
                          "check the host and port, and that the registry is running")) from None
             if resp.status_code == 401 and attempt == 1:
+                if not own:
+                    raise RegistryDenied(f"{self.host} sent {method} to another origin ({_shown(url)}), which asked "
+                                         f"for credentials: {self.host}'s are sent to {self.host} only",
+                                         field="credentials", fix=f"use a registry that keeps uploads on {self.host}")
                 self._authenticate(resp, repository)
                 continue
             if resp.status_code in ok or resp.status_code in missing:
@@ -250,21 +376,27 @@ class Registry:
             raise RegistryDenied(f"{self.host} answered 401 with a challenge Kiln does not speak "
                                  f"({resp.headers.get('WWW-Authenticate', 'none')!r})", field="credentials",
                                  fix=CREDENTIALS_FIX.format(host=self.host))
+        realm = params["realm"]
+        if not self._same_origin(realm, "its token service"):
+            # another host's token service: that host's own credentials, never this registry's
+            realm_host = urlsplit(realm).netloc.rpartition("@")[2]
+            creds = self.credentials_for_host(realm_host) if self.credentials_for_host else None
         query = {"service": params.get("service", self.host),
                  "scope": params.get("scope") or f"repository:{repository}:pull,push"}
         headers = {"Authorization": creds.basic()} if creds else {}
+        url = httpx.URL(realm).copy_merge_params({k: v for k, v in query.items() if v})
         try:
-            token_resp = self.client.get(params["realm"], params={k: v for k, v in query.items() if v},
-                                         headers=headers)
+            token_resp = self._send("GET", str(url), headers, None, TOKEN_LIMIT, whole=True,
+                                    what="a token request")
         except httpx.TransportError as exc:
-            raise RegistryUnavailable(f"cannot reach {self.host}'s token service {params['realm']} "
+            raise RegistryUnavailable(f"cannot reach {self.host}'s token service {_shown(realm)} "
                                       f"({type(exc).__name__})", field="dest", fix="check the network") from None
         if token_resp.status_code in (401, 403):
             raise RegistryDenied(f"{self.host}'s token service refused "
                                  + (f"the credentials from {creds.source}" if creds else "an anonymous token"),
                                  field="credentials", fix=CREDENTIALS_FIX.format(host=self.host))
         if token_resp.status_code != 200:
-            raise self._error("GET", params["realm"], token_resp)
+            raise self._error("GET", realm, token_resp)
         try:
             data = token_resp.json()
             token = data.get("token") or data.get("access_token")
@@ -282,7 +414,7 @@ class Registry:
             errors = json.loads(resp.content[:ERROR_BODY_LIMIT]).get("errors") or []
             said = "; ".join(f"{x.get('code')}: {x.get('message')}" for x in errors if isinstance(x, dict))[:500]
         except (ValueError, AttributeError):
-            said = resp.text[:200].strip() if method != "HEAD" else ""
+            said = resp.content[:200].decode("utf-8", "replace").strip() if method != "HEAD" else ""
         what = f"{self.host} answered {resp.status_code} to {method} {path}" + (f" ({said})" if said else "")
         if resp.status_code >= 500 or resp.status_code == 429:
             return RegistryUnavailable(what, field="dest", fix="retry later; the push resumes (blobs it has are "
@@ -316,7 +448,7 @@ class Registry:
 
     def get_manifest(self, repository: str, reference: str, accept: str = MANIFEST_ACCEPT) -> bytes | None:
         resp = self.request("GET", f"/v2/{repository}/manifests/{reference}", repository=repository,
-                            headers={"Accept": accept}, missing=(404,))
+                            headers={"Accept": accept}, missing=(404,), limit=MANIFEST_LIMIT, whole=True)
         return None if resp.status_code == 404 else resp.content
 
     def put_manifest(self, repository: str, reference: str, data: bytes, media_type: str) -> httpx.Response:
@@ -331,7 +463,8 @@ class Registry:
     def referrers(self, repository: str, digest: str) -> dict[str, Any] | None:
         """The referrers API's index for ``digest``, or None where the registry has no referrers API (``404``)."""
         resp = self.request("GET", f"/v2/{repository}/referrers/{digest}", repository=repository,
-                            headers={"Accept": MEDIA_TYPE_IMAGE_INDEX}, missing=(404,))
+                            headers={"Accept": MEDIA_TYPE_IMAGE_INDEX}, missing=(404,), limit=MANIFEST_LIMIT,
+                            whole=True)
         if resp.status_code == 404:
             return None
         try:

@@ -36,14 +36,14 @@ def record_replica(session: Session, result: PushResult, model: str) -> Replica:
 
 
 def push_engine(store: BlobStore, sessions: sessionmaker[Session], digest: str, dest: str, *,
-                insecure: bool = False, username: str | None = None, password: str | None = None,
-                registry: Registry | None = None, on_step: Callable[[str], None] | None = None,
+                insecure: bool = False, auths: str | None = None, registry: Registry | None = None, on_step: Callable[[str], None] | None = None,
                 model: str | None = None) -> PushResult:
     """Push the engine ``digest`` and all its referrers to ``dest`` (``host[:port]/repository[:tag]``), then record
     the replica (:func:`record_replica`; ``model``: the Kiln repository it stands for, default the one that
     published it). A revoked engine (:class:`EngineRevoked`) or a rejected one (:class:`ValidationFailed`) is
-    refused: the target is the registry a cluster pulls from. ``username``/``password``:
-    ``KILN_REGISTRY_USERNAME``/``_PASSWORD``."""
+    refused: the target is the registry a cluster pulls from. ``auths``: ``KILN_REGISTRY_AUTHS``, whose entry for
+    the destination's host (else the docker config's) is the only credential sent there
+    (:func:`~artifacts.push.credentials_for`)."""
     target = parse_destination(dest)
     with sessions() as session:
         row = session.get(Artifact, digest)
@@ -61,8 +61,9 @@ def push_engine(store: BlobStore, sessions: sessionmaker[Session], digest: str, 
         model = model or row.repository
     own = registry is None
     if registry is None:
-        creds = credentials_for(target.host, username=username, password=password)
-        registry = Registry(target.host, insecure=insecure, credentials=creds)
+        creds = credentials_for(target.host, auths=auths)
+        registry = Registry(target.host, insecure=insecure, credentials=creds,
+                            credentials_for_host=lambda host: credentials_for(host, auths=auths))
     try:
         result = push_image(store, registry, target, digest, refs, on_step=on_step)
     finally:

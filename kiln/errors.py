@@ -271,6 +271,13 @@ class RegistryDenied(KilnError):
     code = "registry_denied"
 
 
+class SettingsInvalid(KilnError):
+    """A setting the process refuses to start with: a shipped placeholder left in place (``REPLACE-ME``), or a
+    setting no longer read that would be unsafe to ignore; ``field`` names the environment variable."""
+
+    code = "settings_invalid"
+
+
 class DatabaseUnavailable(KilnError):
     """The index database could not be reached (connection refused, dropped, invalidated)."""
 

@@ -1,16 +1,44 @@
 """The one settings object, read from ``KILN_*`` environment variables.
 
 Embedded defaults need no server: SQLite and a local artifact directory under ``KILN_HOME``.
+
+Settings that still hold a shipped placeholder are refused when they are read (:class:`SettingsInvalid`, one line
+naming the variables): a ``KILN_*`` value, or boto3's ``AWS_*`` credentials, containing ``REPLACE-ME`` or equal to
+a placeholder Kiln once shipped. Every process (API, worker, migrations, CLI) reads its settings before it does
+anything, so none starts with a guessable secret.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kiln.errors import SettingsInvalid
+
+#: A value that was never replaced: the manifests' and chart's ``REPLACE-ME…`` (any case, ``_`` or a space too)
+PLACEHOLDER_RE = re.compile(r"replace[-_ ]?me", re.IGNORECASE)
+#: Secrets Kiln once shipped as defaults (docker-compose.yml's MinIO password)
+SHIPPED_PLACEHOLDERS = frozenset({"kiln-minio-secret"})
+#: Credentials read from the environment by libraries, not by Settings (boto3), checked the same way
+SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_FIXES = {
+    "KILN_BOOTSTRAP_TOKEN": "make one with openssl rand -hex 32",
+    "KILN_WEBHOOK_SECRET": "make one with openssl rand -hex 32",
+    "KILN_TOKEN_SECRET": "make one with openssl rand -hex 32",
+    "KILN_SIGNING_KEY": "make one with openssl ecparam -name prime256v1 -genkey -noout",
+    "KILN_TRUSTED_KEYS": "give the signing key's public half: openssl ec -in signing-key.pem -pubout",
+    "KILN_DATABASE_URL": "put the database's real password in the URL",
+    "KILN_BROKER_URL": "put the broker's real password in the URL (or none, where it has none)",
+}
+
+
+def is_placeholder(value: str) -> bool:
+    return bool(PLACEHOLDER_RE.search(value)) or value.strip() in SHIPPED_PLACEHOLDERS
 
 
 class Settings(BaseSettings):
@@ -70,8 +98,11 @@ class Settings(BaseSettings):
     # than the grace period is not swept (builder/leases.py). Stage outputs unused this long may be collected.
     gc_grace_s: float = Field(default=3600.0, gt=0)
     lease_ttl_s: float = Field(default=6 * 3600.0, gt=0)
-    # `kiln push` (and replication): credentials for the target registry; unset: the docker config's (auths), or
-    # anonymous (artifacts/push.py)
+    # `kiln push` (and replication): credentials per registry host, JSON in the docker config's `auths` shape:
+    # {"host[:port]": {"username": "…", "password": "…"} | {"auth": "<base64 user:password>"}}. A host's entry is
+    # sent to that host only; a host without one: the docker config's entry, or anonymous (artifacts/push.py).
+    registry_auths: str | None = None
+    # No longer read (they went to every destination host): set, they are refused (below).
     registry_username: str | None = None
     registry_password: str | None = None
     # After a build succeeds, push its engine with its referrers to host[:port][/prefix] (as
@@ -81,6 +112,26 @@ class Settings(BaseSettings):
     replicate_insecure: bool = False
     # /docs and /redoc load Swagger UI / ReDoc scripts from a CDN: off unless asked for (/openapi.json always)
     api_docs: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_placeholders(self) -> Settings:
+        """Refuse a shipped placeholder left in place, and the unscoped registry credentials (see the module's
+        doc): raised as :class:`SettingsInvalid` (not a ValueError: pydantic would wrap it in several lines)."""
+        names = [f"KILN_{name.upper()}" for name, value in self if isinstance(value, str) and is_placeholder(value)]
+        names += [name for name in SECRET_ENV if is_placeholder(os.environ.get(name) or "")]
+        if names:
+            others = f", and so {'is' if len(names) == 2 else 'are'} {', '.join(names[1:])}" if names[1:] else ""
+            raise SettingsInvalid(f"is a placeholder (REPLACE-ME…), not a secret{others}; Kiln does not start with "
+                                  f"{'them' if others else 'it'}", field=names[0],
+                                  fix=_FIXES.get(names[0], "replace it with a value of your own"))
+        unscoped = [n for n, v in (("KILN_REGISTRY_USERNAME", self.registry_username),
+                                   ("KILN_REGISTRY_PASSWORD", self.registry_password)) if v]
+        if unscoped:
+            raise SettingsInvalid("is no longer read: not scoped to a registry host, it went to every host pushed to"
+                                  + (f" (so did {unscoped[1]})" if unscoped[1:] else ""), field=unscoped[0],
+                                  fix='set KILN_REGISTRY_AUTHS=\'{"host[:port]": {"username": "…", "password": "…"}}\','
+                                      ' an entry per host')
+        return self
 
     @property
     def auth_required(self) -> bool:

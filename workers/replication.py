@@ -47,7 +47,7 @@ def replicate(settings: Settings, store: BlobStore, sessions: sessionmaker[Sessi
             repository, tag = row.repository, row.tag
         dest = replication_destination(settings.replicate_to, repository, tag)
         result = push_engine(store, sessions, digest, dest, insecure=settings.replicate_insecure,
-                             username=settings.registry_username, password=settings.registry_password)
+                             auths=settings.registry_auths)
         kind, data = "replicated", {"dest": dest, "reference": result.reference,
                                     "referrers": len(result.referrers), "referrers_api": result.referrers_api,
                                     "blobs_sent": result.blobs_sent}

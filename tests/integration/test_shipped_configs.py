@@ -6,8 +6,9 @@ without helm), run as processes with their commands and environments exactly as 
 What is replaced, and only that, is what must point at this machine: the database URL (a fresh PostgreSQL database
 per configuration), the broker URL (a database of the suite's own redis-server), a non-empty S3 endpoint (a moto
 server), the volumes' mount points (KILN_HOME, HOME, the signing-key file, the TLS files: temporary directories), the
-listening address (127.0.0.1 on a free port), and secrets left as REPLACE-ME placeholders that Kiln parses (the
-signing key, the webhook's trusted key: a generated key). An endpoint shipped EMPTY (the Kubernetes base: AWS S3
+listening address (127.0.0.1 on a free port), and secrets left as REPLACE-ME placeholders, as an operator replaces
+them (the signing key and its public half: a generated key pair; tokens and the webhook secret: random; S3
+credentials: moto's). An endpoint shipped EMPTY (the Kubernetes base: AWS S3
 itself) stays empty; boto3 is pointed at moto with AWS_ENDPOINT_URL_S3, as it would reach AWS, so the "AWS default"
 path is the one exercised. Nothing else of the test's own environment leaks in (a container's environment is
 its image's ENV plus its manifest's).
@@ -18,7 +19,11 @@ Celery's "ready" and pass its exec probes where it has them (the chart's ``kiln 
 ``kiln fsck`` in the API's environment, which must list the S3 store (exit 0). Containers
 whose command and environment come out identical after the replacements (the base's containers in base+admission;
 the three GPU worker Deployments, which differ in node selectors only) are started once. GPU workers are started
-like the CPU worker: without a GPU here they register the queues this machine can serve (checked: no GPU queue)."""
+like the CPU worker: without a GPU here they register the queues this machine can serve (checked: no GPU queue).
+
+As shipped, with their placeholders, none starts: each configuration's API exits non-zero at once with one line
+naming a variable that holds a placeholder (compose: a placeholder the host put in .env; the chart: ``helm
+template`` refuses its defaults, naming the value)."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import base64
 import datetime
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -37,6 +43,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kiln.settings import is_placeholder
 from scripts.devstack import free_port, postgres_database
 from tests.s3server import moto_s3
 from tests.unit.deploy.test_kubernetes import KILN_IMAGES, SHAPES, containers, pod_spec, render
@@ -71,10 +78,10 @@ class Container:
 
 
 # -- the shipped configurations ------------------------------------------------------------------------------------
-def compose_containers() -> list[Container]:
+def compose_containers(host_env: dict[str, str] | None = None) -> list[Container]:
     import yaml
 
-    services = interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), HOST_ENV)["services"]
+    services = interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), {**HOST_ENV, **(host_env or {})})["services"]
     out = []
     for name in ("migrate", "api", "worker-cpu", "worker-gpu"):
         s = services[name]
@@ -158,6 +165,7 @@ class Local:
     public_pem: str
     tls: Path
     started: dict = field(default_factory=dict)  # identical (args, env) -> the process already running it
+    tokens: dict = field(default_factory=dict)  # variable -> the random secret that replaced its placeholder
 
     def localize(self, c: Container, n: int) -> tuple[list[str], dict[str, str]]:
         vol = self.root / f"c{n}"
@@ -184,10 +192,17 @@ class Local:
             env["KILN_S3_ENDPOINT_URL"] = self.s3
         else:  # AWS S3 itself, as shipped: boto3 finds "AWS" at this machine's moto
             env["AWS_ENDPOINT_URL_S3"] = self.s3
-        if "REPLACE-ME" in env.get("KILN_SIGNING_KEY", ""):
-            env["KILN_SIGNING_KEY"] = self.key_pem
-        if "REPLACE-ME" in env.get("KILN_TRUSTED_KEYS", ""):
-            env["KILN_TRUSTED_KEYS"] = self.public_pem
+        for name, value in list(env.items()):  # the placeholders, replaced as an operator does (one value each)
+            if not is_placeholder(value):
+                continue
+            if name == "KILN_SIGNING_KEY":
+                env[name] = self.key_pem
+            elif name == "KILN_TRUSTED_KEYS":
+                env[name] = self.public_pem
+            elif name.startswith("AWS_"):
+                env[name] = "testing"  # moto takes any
+            else:
+                env[name] = self.tokens.setdefault(name, secrets.token_hex(32))
         args = [remap(a) for a in c.args]
         for opt, value in (("--host", "127.0.0.1"), ("--port", str(free_port()))):
             if opt in args:
@@ -342,3 +357,51 @@ def test_each_shipped_configuration_starts_and_reaches_ready(config, tmp_path, r
         finally:
             for p in reversed(procs):
                 p.stop()
+
+
+# -- as shipped: placeholders refused --------------------------------------------------------------------------------
+def shipped_apis(config: str) -> list[Container]:
+    """The API containers of a configuration with its placeholders left as shipped (compose has none in its file:
+    the host's .env gives one here, as copying the docs' REPLACE-ME would)."""
+    if config == "compose":
+        shipped = compose_containers({"KILN_BOOTSTRAP_TOKEN": "REPLACE-ME-openssl-rand-hex-32"})
+    else:
+        shipped = CONFIGS[config]()
+    return [c for c in shipped if c.role == "api"]
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c != "helm"])
+def test_as_shipped_the_api_exits_naming_a_placeholder(config, tmp_path):
+    """The base shipped a working bootstrap admin token: its API minted admin tokens. As shipped, every
+    configuration's API process (the admission webhook's too) exits 2 at once, before opening its database or port,
+    with one line naming a variable whose value is a placeholder."""
+    apis = shipped_apis(config)
+    assert apis, config
+    tls = self_signed(tmp_path / "tls")
+    for n, c in enumerate(apis):
+        home = tmp_path / f"c{n}"
+        home.mkdir()
+
+        def remap(v: str, home: Path = home) -> str:
+            return v.replace("/var/lib/kiln", str(home)).replace("/home/kiln", str(home)).replace("/etc/kiln/tls", str(tls))
+
+        env = {k: remap(v) for k, v in c.env.items()} | {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)}
+        args = [{"0.0.0.0": "127.0.0.1", "8000": str(free_port()), "8443": str(free_port())}.get(a, remap(a))
+                for a in c.args]
+        out = subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=home, env=env, capture_output=True,
+                             text=True, timeout=START_S)
+        assert out.returncode == 2, f"{c.where}: exit {out.returncode}: {out.stderr[-2000:]}"
+        lines = out.stderr.strip().splitlines()
+        m = re.fullmatch(r"kiln: error: (\w+): is a placeholder \(REPLACE-ME…\), not a secret.*", lines[-1])
+        assert len(lines) == 1 and m, f"{c.where}: {out.stderr}"
+        assert is_placeholder(env[m[1]]), (c.where, m[1])
+
+
+def test_as_shipped_the_chart_does_not_render():
+    from tests.unit.deploy.test_helm import CHART, HELM, RELEASE
+
+    if HELM is None:
+        pytest.skip("helm is not installed (scripts/install-test-tools.sh installs it)")
+    out = subprocess.run([HELM, "template", RELEASE, str(CHART), "--set", "admission.enabled=true"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "is a placeholder (REPLACE-ME" in out.stderr, out.stderr

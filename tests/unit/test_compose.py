@@ -43,8 +43,10 @@ THIRD_PARTY_COMMANDS = {
 # What NVIDIA's TensorRT-LLM container provides and the GPU image must not reinstall.
 CONTAINER_PROVIDED = {"torch", "nvidia-modelopt", "transformers", "tensorrt", "tensorrt-llm"}
 KILN_HOME = "/var/lib/kiln"
-#: What the host must set: the API's bootstrap token (there is no default secret in the file).
-HOST_ENV = {"KILN_BOOTSTRAP_TOKEN": "host-bootstrap-token"}
+#: What the host must set: the API's bootstrap token, the database's and MinIO's passwords (there is no default
+#: secret in the file).
+HOST_ENV = {"KILN_BOOTSTRAP_TOKEN": "host-bootstrap-token", "POSTGRES_PASSWORD": "host-postgres-password",
+            "MINIO_ROOT_PASSWORD": "host-minio-password"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -398,10 +400,10 @@ def test_kiln_services_share_one_configuration(raw, services):
     assert envs["api"].pop("KILN_BOOTSTRAP_TOKEN") == HOST_ENV["KILN_BOOTSTRAP_TOKEN"]  # the api's alone
     first = next(iter(envs.values()))
     assert all(env == first for env in envs.values()), "every Kiln service should use the x-kiln-env anchor"
-    assert env_of({"environment": interpolate(raw["x-kiln-env"])}) == first
+    assert env_of({"environment": interpolate(raw["x-kiln-env"], HOST_ENV)}) == first
     assert first["KILN_AUTH"] == "required"
     expected = {
-        "KILN_DATABASE_URL": "postgresql+psycopg://kiln:kiln@postgres:5432/kiln",
+        "KILN_DATABASE_URL": "postgresql+psycopg://kiln:host-postgres-password@postgres:5432/kiln",
         "KILN_BROKER_URL": "redis://redis:6379/0",
         "KILN_STORE_URL": "s3://kiln/engines",
         "KILN_S3_ENDPOINT_URL": "http://minio:9000",
@@ -440,11 +442,35 @@ def test_configuration_is_what_kiln_settings_reads(services, monkeypatch):
     assert s.auth_required and s.bootstrap_token == HOST_ENV["KILN_BOOTSTRAP_TOKEN"]
 
 
-def test_the_stack_does_not_start_without_a_bootstrap_token(raw):
-    """Tokens are required, and the first one comes from the host: no token, no stack (no default secret)."""
-    with pytest.raises(AssertionError, match="KILN_BOOTSTRAP_TOKEN"):
-        interpolate(raw)
+@pytest.mark.parametrize("secret", sorted(HOST_ENV))
+def test_the_stack_does_not_start_without_each_secret(raw, secret):
+    """Tokens are required, and the first one comes from the host; so do the database's and MinIO's passwords
+    (they defaulted to `kiln` and `kiln-minio-secret`): any of them missing, no stack, and compose's refusal names
+    it (no default secret)."""
+    with pytest.raises(AssertionError, match=secret):
+        interpolate(raw, {k: v for k, v in HOST_ENV.items() if k != secret})
     assert "KILN_BOOTSTRAP_TOKEN" not in raw["x-kiln-env"]  # not handed to workers or migrations
+
+
+@pytest.mark.parametrize("host_env", [{"MINIO_ROOT_PASSWORD": "kiln-minio-secret"},
+                                      {"POSTGRES_PASSWORD": "REPLACE-ME"},
+                                      {"KILN_BOOTSTRAP_TOKEN": "REPLACE-ME-openssl-rand-hex-32"}])
+def test_a_placeholder_from_the_host_is_refused_by_kiln_itself(raw, host_env, monkeypatch):
+    """What compose cannot tell from a secret (an old default, a placeholder copied into .env), Kiln refuses when
+    it reads its settings, naming the variable."""
+    from kiln.errors import SettingsInvalid
+    from kiln.settings import Settings
+
+    api = interpolate(raw, {**HOST_ENV, **host_env})["services"]["api"]
+    for key, value in env_of(api).items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    with pytest.raises(SettingsInvalid) as info:
+        Settings()
+    named = {"MINIO_ROOT_PASSWORD": "AWS_SECRET_ACCESS_KEY", "POSTGRES_PASSWORD": "KILN_DATABASE_URL"}
+    assert info.value.field == named.get(*host_env, *host_env)
 
 
 def test_checkpoints_and_kiln_home_are_mounted(services, compose):

@@ -311,6 +311,24 @@ def test_the_hosts_of_this_registry_in_any_spelling_are_judged():
     assert registry_host("[::1]:443") == "[::1]" and registry_host("[::1]:5000") == "[::1]:5000"
 
 
+def test_a_port_with_leading_zeros_is_the_same_port():
+    """The port is a number: ``:0443`` is HTTPS's default port and ``:05000`` is ``:5000``. Compared as strings,
+    a tag reference to this registry written so (also with a trailing dot, in upper case) was admitted unchecked
+    as another registry's."""
+    hosts = registry_hosts("kiln.example.com, registry:5000")
+    for alias in ("kiln.example.com:0443", "kiln.example.com.:0443", "KILN.EXAMPLE.COM.:00443", "registry:05000",
+                  "Registry.:005000"):
+        assert registry_host(alias) in hosts, alias
+        for image in (f"{alias}/acme/tiny:latest", f"{alias}/acme/tiny@{D_REVOKED}"):
+            r = review(pod_create(image=image), hosts=hosts, allow_tags=False, trusted={KEY}, lookup=lookup)
+            assert r["response"]["allowed"] is False, image
+    assert registry_hosts("kiln.example.com:0443") == {"kiln.example.com"}
+    assert registry_host("[::1]:0443") == "[::1]" and registry_host("[::1]:05000") == "[::1]:5000"
+    r = review(pod_create(image=f"kiln.example.com:4430/acme/tiny@{D_REVOKED}"), hosts=hosts, allow_tags=False,
+               trusted={KEY}, lookup=lookup)
+    assert r["response"]["allowed"] is True  # another port: another registry
+
+
 def test_without_registry_hosts_the_webhook_denies_rather_than_trusting_the_host_header(tmp_path):
     """The webhook took the request's own Host as the registry's name: a caller chose which references are
     judged. Unconfigured, every image is denied, saying why; a deletion is still allowed."""
@@ -360,6 +378,30 @@ def test_keys_artifacts_and_resolve_say_who_signed(tmp_path):
     r = client.get("/v1/resolve", params={"model": "acme/tiny", "precision": "fp8", "profile": "latency",
                                           "target": "cpu", "backend": "checkpoint"})
     assert r.status_code == 200 and r.json()["signature"] == sig
+
+
+def test_an_api_given_public_keys_only_lists_them_and_makes_no_key():
+    """API pods get the signing key's public half (KILN_TRUSTED_KEYS), not the private key. Such an API made a key
+    of its own under KILN_HOME and listed it first, as the signing key (`kiln keys public --server` printed it):
+    it lists the configured keys only, none as its own, and makes none."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from api.app import create_app
+    from artifacts.signing import fingerprint
+    from kiln import db
+    from kiln.settings import Settings
+
+    public = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    settings = Settings(registry_hosts=HOST, trusted_keys=public.decode())
+    db.upgrade(settings.db_url)
+    client = TestClient(create_app(settings, enqueue=lambda *a, **k: None))
+    keys = client.get("/v1/keys").json()["keys"]
+    assert [(k["fingerprint"], k["signing"]) for k in keys] == [(fingerprint(public), False)]
+    pem = client.get("/v1/keys", headers={"Accept": "application/x-pem-file"}).content
+    assert pem == keys[0]["public_key"].encode()
+    assert not (settings.home_dir / "keys").exists()
 
 
 def test_every_verdict_from_the_index_facts(tmp_path, monkeypatch):

@@ -36,14 +36,17 @@ REPO = "acme/tiny"
 
 
 class Hostile:
-    """Serves ``routes``: path → bytes, or a callable writing the body itself (an endless stream). Counts the
-    bytes it sent and the paths asked."""
+    """Serves ``routes``: path → bytes, or a callable writing the body itself (an endless stream), with the
+    status ``status`` gives (200 unless named). Counts the bytes it sent, the paths asked and the Authorization
+    each request carried."""
 
     def __init__(self):
         self.routes: dict[str, object] = {}
         self.headers: dict[str, dict[str, str]] = {}
+        self.status: dict[str, int] = {}
         self.sent = 0
         self.asked: list[str] = []
+        self.authorization: dict[str, str | None] = {}
         hostile = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -54,6 +57,7 @@ class Hostile:
 
             def do_GET(self):
                 hostile.asked.append(self.path)
+                hostile.authorization[self.path] = self.headers.get("Authorization")
                 body = hostile.routes.get(self.path)
                 if body is None:
                     data = b'{"errors": [{"code": "MANIFEST_UNKNOWN", "message": "unknown"}]}'
@@ -62,7 +66,7 @@ class Hostile:
                     self.end_headers()
                     self.wfile.write(data)
                     return
-                self.send_response(200)
+                self.send_response(hostile.status.get(self.path, 200))
                 for k, v in hostile.headers.get(self.path, {}).items():
                     self.send_header(k, v)
                 if callable(body):
@@ -316,3 +320,30 @@ def test_a_denied_engine_is_reported_as_refused_not_as_a_missing_token():
     assert denied.field == "ref" and "revoked: bad tokenizer" in denied.message and "allow=revoked" in denied.fix
     unauthorized = _error(httpx.Response(401, json={"errors": [{"code": "UNAUTHORIZED", "message": "no"}]}), "manifest")
     assert unauthorized.field == "KILN_TOKEN"
+
+
+@pytest.mark.parametrize("other", ["port", "localhost"])
+def test_a_redirect_to_another_origin_does_not_carry_the_token(hostile, tmp_path, monkeypatch, other):
+    """KILN_TOKEN goes to the server named by --server only: a blob redirected to another origin (another port, or
+    ``localhost`` for ``127.0.0.1``) is fetched there without it (httpx drops Authorization across origins), and
+    the pull still verifies every byte. Kiln's pull client asks no token service (no realm is followed)."""
+    layer = _small_layer()
+    d = hostile.engine(layer)
+    ld = sha256_bytes(layer)
+    blob = f"/v2/{REPO}/blobs/{ld}"
+    elsewhere = Hostile()
+    try:
+        if other == "port":
+            target, where = elsewhere, f"{elsewhere.url}/presigned/{ld}"
+        else:
+            target, where = hostile, hostile.url.replace("127.0.0.1", "localhost") + f"/presigned/{ld}"
+        target.routes[f"/presigned/{ld}"] = layer
+        hostile.routes[blob], hostile.status[blob], hostile.headers[blob] = b"", 307, {"Location": where}
+        monkeypatch.setenv("KILN_TOKEN", "kiln-secret-token")
+        got = pull_remote(hostile.url, f"{REPO}@{d}", tmp_path / "engine")
+        assert got.digest == d and (tmp_path / "engine" / "config.json").read_bytes() == b"{}"
+        assert hostile.authorization[blob] == "Bearer kiln-secret-token"
+        assert f"/presigned/{ld}" in target.authorization
+        assert target.authorization[f"/presigned/{ld}"] is None
+    finally:
+        elsewhere.close()

@@ -216,7 +216,7 @@ def test_bad_destinations_are_refused_naming_dest(text):
     assert info.value.field == "dest"
 
 
-def test_credentials_from_env_then_docker_config(tmp_path):
+def test_credentials_from_kiln_registry_auths_then_docker_config(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"auths": {
         "https://reg.example.com/v1/": {"auth": base64.b64encode(b"alice:s3cret:x").decode()},
@@ -226,8 +226,13 @@ def test_credentials_from_env_then_docker_config(tmp_path):
     assert "s3cret" not in repr(got)
     assert credentials_for("localhost:5000", docker_config=config).username == "bob"
     assert credentials_for("other.example.com", docker_config=config) is None
-    env = credentials_for("reg.example.com", username="ci", password="tok", docker_config=config)
-    assert env.username == "ci" and "KILN_REGISTRY" in env.source
+    auths = json.dumps({"reg.example.com": {"username": "ci", "password": "tok"},
+                        "other.example.com:5000": {"auth": base64.b64encode(b"o:pw").decode()}})
+    env = credentials_for("reg.example.com", auths=auths, docker_config=config)
+    assert env.username == "ci" and env.source == "KILN_REGISTRY_AUTHS"
+    assert credentials_for("localhost:5000", auths=auths, docker_config=config).username == "bob"  # not in auths
+    assert credentials_for("other.example.com:5000", auths=auths, docker_config=config).username == "o"
+    assert credentials_for("other.example.com", auths=auths, docker_config=config) is None  # another port
     assert credentials_for("reg.example.com", docker_config=tmp_path / "absent.json") is None
     config.write_text("{not json")
     with pytest.raises(InvalidRequest):

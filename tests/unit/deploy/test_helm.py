@@ -1,5 +1,6 @@
 """deploy/helm/kiln, rendered by a real ``helm`` (``helm lint --strict`` and ``helm template``) with its default
-values and with deploy/helm/examples/gpu-pools-values.yaml: every document validates against the Kubernetes 1.36
+values (their secrets replaced by :func:`secrets_values`: the chart refuses its placeholders) and with
+deploy/helm/examples/gpu-pools-values.yaml: every document validates against the Kubernetes 1.36
 schemas (kubernetes-validate, strict), the chart renders what the kustomize base renders (with the admission
 component when admission.enabled), and it holds the checks test_kubernetes.py makes of the base; plus what only the
 chart has: GPU workers placed by GPU feature discovery's compute-capability labels (no product names), worker exec
@@ -9,9 +10,12 @@ Skipped, saying so, where helm is not installed (scripts/install-test-tools.sh i
 
 from __future__ import annotations
 
+import functools
 import re
+import secrets
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import kubernetes_validate
@@ -34,6 +38,35 @@ HEADROOM = 1.25
 RELEASE, NAMESPACE = "kiln", "kiln"
 
 
+@functools.cache
+def key_pair() -> tuple[str, str]:
+    """A signing key made for this test run (PEM, and its public half)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                            serialization.NoEncryption()).decode()
+    public = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                           serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    return pem, public
+
+
+@functools.cache
+def secrets_values() -> Path:
+    """A values file that replaces every placeholder secret, as an operator's does (made once per run)."""
+    pem, public = key_pair()
+    values = {"secrets": {"bootstrapToken": secrets.token_hex(32), "webhookSecret": secrets.token_hex(32),
+                          "signingKey": pem},
+              "trustedKeys": public,
+              "database": {"url": f"postgresql+psycopg://kiln:{secrets.token_hex(8)}@postgres.example.com:5432/kiln"},
+              "broker": {"url": f"redis://:{secrets.token_hex(8)}@redis.example.com:6379/0"},
+              "s3Credentials": {"accessKeyId": "AKIAEXAMPLE", "secretAccessKey": secrets.token_hex(20)}}
+    path = Path(tempfile.mkdtemp(prefix="kiln-helm-test-")) / "secrets-values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     out = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60)
     if check:
@@ -42,7 +75,7 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def template(*values: Path, sets: tuple[str, ...] = ()) -> list[dict]:
-    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(secrets_values())]
     for v in values:
         args += ["-f", str(v)]
     for s in sets:
@@ -71,7 +104,7 @@ def workloads(objs: list[dict], component: str) -> list[dict]:
 # -- helm itself -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_helm_lint_passes_strict(shape):
-    args = ["lint", "--strict", str(CHART)]
+    args = ["lint", "--strict", str(CHART), "-f", str(secrets_values())]
     for v in SHAPES[shape]:
         args += ["-f", str(v)]
     assert "0 chart(s) failed" in helm(*args).stdout
@@ -89,13 +122,58 @@ def test_every_rendered_document_validates_against_the_kubernetes_schema(rendere
 
 
 def test_bad_values_fail_with_a_message_naming_the_value():
-    bad_pool = helm("template", RELEASE, str(CHART), "--set", "workers.gpuPools.h100.enabled=true", check=False)
+    given = ("-f", str(secrets_values()))
+    bad_pool = helm("template", RELEASE, str(CHART), *given, "--set", "workers.gpuPools.h100.enabled=true", check=False)
     assert bad_pool.returncode != 0 and "workers.gpuPools: \"h100\" is not a GPU target" in bad_pool.stderr
-    no_ca = helm("template", RELEASE, str(CHART), "--set", "admission.enabled=true",
+    no_ca = helm("template", RELEASE, str(CHART), *given, "--set", "admission.enabled=true",
                  "--set", "admission.tls.certManager=false", check=False)
     assert no_ca.returncode != 0 and "caBundle" in no_ca.stderr
-    no_gpus = helm("template", RELEASE, str(CHART), "--set", "workers.gpuPools.sm90.gpus=0", check=False)
+    no_gpus = helm("template", RELEASE, str(CHART), *given, "--set", "workers.gpuPools.sm90.gpus=0", check=False)
     assert no_gpus.returncode != 0 and "workers.gpuPools.sm90.gpus must be at least 1" in no_gpus.stderr
+    everyone = helm("template", RELEASE, str(CHART), *given, "--set", "networkPolicies.apiFrom=null", check=False)
+    assert everyone.returncode != 0 and "networkPolicies.apiFrom is empty" in everyone.stderr
+
+
+#: every secret value of the chart, its variable, and whether an empty value is refused too
+SECRET_VALUES = [("trustedKeys", "KILN_TRUSTED_KEYS", True), ("secrets.bootstrapToken", "KILN_BOOTSTRAP_TOKEN", True),
+                 ("secrets.webhookSecret", "KILN_WEBHOOK_SECRET", False),
+                 ("secrets.signingKey", "KILN_SIGNING_KEY", True), ("database.url", "KILN_DATABASE_URL", True),
+                 ("broker.url", "KILN_BROKER_URL", True), ("s3Credentials.accessKeyId", "AWS_ACCESS_KEY_ID", False),
+                 ("s3Credentials.secretAccessKey", "AWS_SECRET_ACCESS_KEY", False)]
+
+
+def test_the_defaults_do_not_render_until_every_placeholder_is_replaced():
+    """The chart shipped a working bootstrap admin token (REPLACE-ME-openssl-rand-hex-32): installed as is, its API
+    minted admin tokens for whoever read the chart. Its defaults now fail to render, naming the value."""
+    shipped = helm("template", RELEASE, str(CHART), check=False)
+    assert shipped.returncode != 0 and "is a placeholder (REPLACE-ME" in shipped.stderr
+    assert "REPLACE-ME-openssl-rand-hex-32" in (CHART / "values.yaml").read_text()  # still shown where to put it
+    for value, variable, required in SECRET_VALUES:
+        placeholder = "postgresql://kiln:REPLACE-ME@db/kiln" if value.endswith("url") else "REPLACE-ME"
+        out = helm("template", RELEASE, str(CHART), "-f", str(secrets_values()), "--set-string",
+                   f"{value}={placeholder}", check=False)
+        assert out.returncode != 0 and f"{value} ({variable}) is a placeholder" in out.stderr, (value, out.stderr)
+        empty = helm("template", RELEASE, str(CHART), "-f", str(secrets_values()), "--set-string", f"{value}=",
+                     check=False)
+        assert (empty.returncode != 0 and f"{value} ({variable}) is empty" in empty.stderr) == required, value
+    # Secrets made elsewhere (secrets.create=false): only the chart's own ConfigMap of public keys is checked here
+    elsewhere = helm("template", RELEASE, str(CHART), "--set", "secrets.create=false", "--set-string",
+                     f"trustedKeys={key_pair()[1]}", check=False)
+    assert elsewhere.returncode == 0, elsewhere.stderr
+
+
+def test_the_api_gets_the_public_keys_only_and_its_network_policy_names_its_sources(rendered):
+    api = workloads(rendered, "api")[0]
+    sources = k8s.pod_spec(api)["containers"][0]["envFrom"]
+    assert {"secretRef": {"name": "kiln-signing-key"}} not in sources
+    assert {"configMapRef": {"name": "kiln-trusted-keys"}} in sources
+    keys = next(d for d in rendered if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kiln-trusted-keys")
+    assert keys["data"]["KILN_TRUSTED_KEYS"] == key_pair()[1]
+    for d in workloads(rendered, "worker-cpu") + workloads(rendered, "worker-gpu"):
+        assert {"secretRef": {"name": "kiln-signing-key"}} in k8s.pod_spec(d)["containers"][0]["envFrom"]
+    policy = next(d for d in k8s.by_kind(rendered, "NetworkPolicy") if d["metadata"]["name"] == "kiln-api-ingress")
+    assert policy["spec"]["ingress"] == [{"from": [{"namespaceSelector": {"matchLabels": {"kiln.dev/api-access": "true"}}}],
+                                          "ports": [{"protocol": "TCP", "port": 8000}]}]
 
 
 # -- the same resources as the kustomize base ---------------------------------------------------------------------------
@@ -126,9 +204,10 @@ def test_the_chart_renders_what_the_kustomize_base_renders(shape, kustomize):
     assert set(base) - set(chart) == set(), "the chart lacks these of the kustomize base"
     assert {k for k in extra if k[0] != "PodDisruptionBudget"} == set(), extra
     for key, d in base.items():
-        if key[0] == "ConfigMap":  # the example sets its own store
-            assert (chart[key]["data"] if shape == "default" else chart[key]["data"].keys()) == \
-                (d["data"] if shape == "default" else d["data"].keys()), key
+        if key[0] == "ConfigMap":  # the example sets its own store; the public key is this run's, not a placeholder
+            whole = shape == "default" and key[1] != "kiln-trusted-keys"
+            assert (chart[key]["data"] if whole else chart[key]["data"].keys()) == \
+                (d["data"] if whole else d["data"].keys()), key
         if key[0] == "Secret":
             assert chart[key]["stringData"].keys() == d["stringData"].keys(), key
         pod = k8s.pod_spec(d)

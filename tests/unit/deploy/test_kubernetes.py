@@ -11,6 +11,7 @@ No cluster exists here: this is the whole of what was checked (docs/deploy.md sa
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 
@@ -440,7 +441,8 @@ def test_only_the_admission_webhook_is_anonymous_and_it_holds_no_token_or_privat
         if name == "kiln-admission":
             assert anonymous == {"KILN_ANONYMOUS_ADMISSION"}
             assert secrets == {"kiln-backends"}, "the webhook needs the index only: no bootstrap token, no signing key"
-            assert "BEGIN PUBLIC KEY" in configmaps["kiln-admission-config"]["KILN_TRUSTED_KEYS"]
+            assert "BEGIN PUBLIC KEY" in configmaps["kiln-trusted-keys"]["KILN_TRUSTED_KEYS"]
+            assert "kiln-trusted-keys" in maps
         else:
             assert not anonymous, f"{name} answers without a token"
 
@@ -464,3 +466,68 @@ def test_every_kiln_container_image_is_tagged_in_every_shape(rendered):
             name, _, tag = c["image"].rpartition(":")
             if c["image"].split(":")[0].split("/")[-1].startswith("kiln"):
                 assert name and tag and tag != "latest", (d["metadata"]["name"], c["image"])
+
+
+# -- secrets ---------------------------------------------------------------------------------------------------------
+def env_of(objs: list[dict], c: dict) -> dict[str, str]:
+    """A container's environment from its envFrom, as the kubelet makes it (later sources win)."""
+    sources = {(d["kind"], d["metadata"]["name"]): {**(d.get("data") or {}), **(d.get("stringData") or {})}
+               for d in objs if d["kind"] in ("ConfigMap", "Secret")}
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        kind, ref = ("ConfigMap", src["configMapRef"]) if "configMapRef" in src else ("Secret", src["secretRef"])
+        env.update(sources[(kind, ref["name"])])
+    env.update({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
+    return {k: str(v) for k, v in env.items()}
+
+
+def kiln_containers(objs: list[dict]):
+    for d in objs:
+        pod = pod_spec(d)
+        for c in containers(pod) if pod else []:
+            if c["image"].split(":")[0] in KILN_IMAGES:
+                yield d, c
+
+
+def test_every_kiln_container_refuses_the_shipped_placeholders(rendered, monkeypatch):
+    """The base shipped a bootstrap admin token (REPLACE-ME-openssl-rand-hex-32) that worked: an API started with it
+    minted admin tokens; the in-cluster overlay's database and MinIO placeholders matched each other, so the stack
+    ran as shipped. Every Kiln container's settings, as shipped, are now refused when read, naming a variable that
+    holds a placeholder (tests/integration/test_shipped_configs.py runs the processes)."""
+    from kiln.errors import SettingsInvalid
+
+    seen = set()
+    for d, c in kiln_containers(rendered):
+        env = env_of(rendered, c)
+        for k in [k for k in os.environ if k.startswith(("KILN_", "AWS_"))]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(SettingsInvalid) as info:
+            Settings()
+        assert "REPLACE-ME" in env[info.value.field], (d["metadata"]["name"], info.value.field)
+        seen.add(pod_labels(d)["app.kubernetes.io/component"])
+    assert {"api", "worker-cpu", "worker-gpu", "migrate"} <= seen
+
+
+def test_only_workers_hold_the_private_signing_key(rendered):
+    """API pods held the signing key (a private key); they get its public half (kiln-trusted-keys), as the admission
+    webhook always did. Workers, which sign, get the private key."""
+    for d, c in kiln_containers(rendered):
+        component = pod_labels(d)["app.kubernetes.io/component"]
+        sources = c.get("envFrom", [])
+        holds_key = {"secretRef": {"name": "kiln-signing-key"}} in sources
+        assert holds_key == component.startswith("worker"), (d["metadata"]["name"], component)
+        if component in ("api", "admission"):
+            assert {"configMapRef": {"name": "kiln-trusted-keys"}} in sources, d["metadata"]["name"]
+            assert "BEGIN PUBLIC KEY" in env_of(rendered, c)["KILN_TRUSTED_KEYS"]
+
+
+def test_the_api_accepts_connections_from_labelled_namespaces_only(rendered):
+    """The API's NetworkPolicy admitted any source. It admits pods in namespaces labelled kiln.dev/api-access=true
+    (the ingress controller's, CI runners'; docs/deploy.md); the kubelet's probes are always let through."""
+    api = workload(rendered, "kiln-api")
+    rules = [r for p in by_kind(rendered, "NetworkPolicy") if p["spec"]["podSelector"]
+             and selects(p["spec"]["podSelector"], pod_labels(api)) for r in p["spec"].get("ingress", [])]
+    assert rules == [{"from": [{"namespaceSelector": {"matchLabels": {"kiln.dev/api-access": "true"}}}],
+                      "ports": [{"protocol": "TCP", "port": 8000}]}]

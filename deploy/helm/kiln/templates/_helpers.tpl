@@ -66,7 +66,8 @@ checksum/config: {{ include (print .Template.BasePath "/config.yaml") . | sha256
 checksum/secrets: {{ include (print .Template.BasePath "/secrets.yaml") . | sha256sum }}
 {{- end -}}
 
-{{/* envFrom of the API and the workers: the config, the backends and the signing key (+ extra secrets) */}}
+{{/* envFrom of the API, the workers and the migrations: the config and the backends, then (dict "root" $ "secrets"
+(list …) "configMaps" (list …)) these Secrets and ConfigMaps by suffix */}}
 {{- define "kiln.envFrom" -}}
 envFrom:
   - configMapRef:
@@ -77,6 +78,41 @@ envFrom:
   - secretRef:
       name: {{ include "kiln.fullname" $.root }}-{{ . }}
   {{- end }}
+  {{- range .configMaps }}
+  - configMapRef:
+      name: {{ include "kiln.fullname" $.root }}-{{ . }}
+  {{- end }}
+{{- end -}}
+
+{{/* Refuse to render while a secret is a REPLACE-ME placeholder (or empty where Kiln needs it): the message names
+the value. Kiln's processes refuse placeholders too; this says so before anything is applied. */}}
+{{- define "kiln.checkSecrets" -}}
+{{- $placeholder := "(?i)replace[-_ ]?me" -}}
+{{- $checks := list (list "trustedKeys" "KILN_TRUSTED_KEYS" .Values.trustedKeys true "openssl ec -in signing-key.pem -pubout") -}}
+{{- if .Values.secrets.create -}}
+{{- $checks = concat $checks (list
+  (list "secrets.bootstrapToken" "KILN_BOOTSTRAP_TOKEN" .Values.secrets.bootstrapToken true "openssl rand -hex 32")
+  (list "secrets.webhookSecret" "KILN_WEBHOOK_SECRET" .Values.secrets.webhookSecret false "openssl rand -hex 32, or empty: webhooks off")
+  (list "secrets.signingKey" "KILN_SIGNING_KEY" .Values.secrets.signingKey true "openssl ecparam -name prime256v1 -genkey -noout")
+  (list "database.url" "KILN_DATABASE_URL" .Values.database.url true "your PostgreSQL URL with its password")
+  (list "broker.url" "KILN_BROKER_URL" .Values.broker.url true "your Redis URL")
+  (list "s3Credentials.accessKeyId" "AWS_ACCESS_KEY_ID" .Values.s3Credentials.accessKeyId false "the S3 access key")
+  (list "s3Credentials.secretAccessKey" "AWS_SECRET_ACCESS_KEY" .Values.s3Credentials.secretAccessKey false "the S3 secret key")) -}}
+{{- end -}}
+{{- range $checks -}}
+{{- $value := toString (index . 2) -}}
+{{- if regexMatch $placeholder $value -}}
+{{- fail (printf "%s (%s) is a placeholder (REPLACE-ME…): set it in your values (%s)" (index . 0) (index . 1) (index . 4)) -}}
+{{- else if and (index . 3) (not (trim $value)) -}}
+{{- fail (printf "%s (%s) is empty: set it in your values (%s)" (index . 0) (index . 1) (index . 4)) -}}
+{{- end -}}
+{{- end -}}
+{{- if not .Values.networkPolicies.apiFrom -}}
+{{- fail "networkPolicies.apiFrom is empty, which a NetworkPolicy reads as every source: list the peers that may reach the API" -}}
+{{- end -}}
+{{- if (.Values.admission).trustedKeys -}}
+{{- fail "admission.trustedKeys is now trustedKeys (the API trusts the same keys): move it" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* A worker's exec probes: `kiln worker-probe live|ready` (api/cli_service.py, workers/liveness.py) */}}
