@@ -71,7 +71,8 @@ def measure(ckpt: Path, recipe: str, calib_text: str, eval_text: str, *, max_tok
     """The fake-quantized model's accuracy against the float32 reference on every window of ``eval_text`` (no
     sequential stopping), at each window length of the profile."""
     spec = parse_spec({"checkpoint": str(ckpt), "precision": RECIPES[recipe].precision, "recipe": recipe,
-                       "profile": profile, "evaluation": {"max_tokens": max_tokens}}, [ckpt.parent])
+                       "profile": profile, "evaluation": {"max_tokens": max_tokens},
+                       "override_reason": "the yardstick: any evaluation length"}, [ckpt.parent])
     text = eval_tokens(ckpt, eval_text, spec)
     vocab = int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
     batches = [window_batch(8, seq, vocab) for seq in text.lengths]

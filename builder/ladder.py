@@ -39,6 +39,8 @@ class Rung:
     gates: list[dict]
     seconds: dict
     judged_on: str  # "engine": the compiled engine's validation; "screen": the exported checkpoint, eagerly
+    #: how its speed was measured: a failed rung's is "not measured: …" (validation times no rejected engine)
+    speed: str = "not measured: a screen judges accuracy only"
 
     @property
     def passed(self) -> bool:
@@ -53,13 +55,14 @@ class Rung:
     def validated(cls, recipe: str, quantize_key: str, report: dict, seconds: float) -> "Rung":
         """The first rung, from its engine's validation report."""
         gates = [g for g in report.get("gates", []) if g["name"] in ACCURACY_GATES]
+        speed = ((report.get("conditions") or {}).get("throughput") or {}).get("method", "measured")
         return cls(recipe, quantize_key, None, report.get("metrics") or {}, gates,
-                   {"validate": round(seconds, 3)}, "engine")
+                   {"validate": round(seconds, 3)}, "engine", speed)
 
     def record(self) -> dict:
         return {"recipe": self.recipe, "quant_algo": RECIPES[self.recipe].quant_algo, "passed": self.passed,
                 "judged_on": self.judged_on, "metrics": {k: self.metrics.get(k) for k in KEPT_METRICS},
-                "gates": self.gates, "seconds": self.seconds, "quantize_key": self.quantize_key}
+                "gates": self.gates, "seconds": self.seconds, "quantize_key": self.quantize_key, "speed": self.speed}
 
 
 def accuracy_gates(gates: dict[str, float]) -> dict[str, float]:

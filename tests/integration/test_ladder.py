@@ -22,6 +22,7 @@ def test_the_ladder_climbs_to_the_next_recipe_when_the_first_fails_a_gate(tmp_pa
     assert [r["recipe"] for r in ladder] == ["fp8", "fp8-pcpt"]
     assert not ladder[0]["passed"] and ladder[0]["judged_on"] == "engine"
     assert [g["name"] for g in ladder[0]["gates"] if not g["passed"]] == ["max_mean_kl"]
+    assert ladder[0]["speed"].startswith("not measured: the engine failed its accuracy gates")  # no time on speed
     assert ladder[1]["passed"] and ladder[1]["judged_on"] == "screen" and ladder[1]["seconds"]["screen"] > 0
     assert out["validation"]["recipe"]["built"] == "fp8-pcpt" and out["status"] == "succeeded"
     assert out["validation"]["metrics"]["mean_kl"] <= 0.0077

@@ -52,7 +52,8 @@ def kiln_reference_perplexities(ckpt: Path, text: str) -> dict[int, float]:
     from validation.runners import open_reference
     from validation.validate import eval_tokens
 
-    spec = parse_spec({"checkpoint": str(ckpt), "precision": "fp8", "evaluation": {"max_tokens": MAX_TOKENS}},
+    spec = parse_spec({"checkpoint": str(ckpt), "precision": "fp8", "evaluation": {"max_tokens": MAX_TOKENS},
+                       "override_reason": "a test: a shorter evaluation"},
                       [ckpt.parent])
     runner = open_reference(ckpt)
     reference = compute_reference(runner, ckpt, text, spec)
