@@ -51,7 +51,9 @@ from kiln.tables import StageOutput
 
 log = logging.getLogger(__name__)
 
-STAGES = ("quantize", "compile", "reference")  # reference: the unquantized model's results (validation/reference.py)
+#: kernel: compiled code without weights (builder/backends/aot_inductor.py), shared by the engines of its kernel key;
+#: reference: the unquantized model's results (validation/reference.py)
+STAGES = ("quantize", "kernel", "compile", "reference")
 COMPLETE = STAGE_RECORD  # never packed (artifacts.tarball.INTERNAL_NAMES)
 
 
