@@ -1,8 +1,8 @@
 """A fine-tune through the whole pipeline on the embedded defaults: the shipped tiny Llama is built (FP8,
 aot-inductor, cpu), then a copy with every weight perturbed. The second build quantizes its own checkpoint, finds
 the kernel of the first under its kernel key in the stage cache, writes only its weights (the compile stage says
-``reused``), validates and publishes its own engine; the two engines share the kernel's bytes and differ in their
-weights."""
+``reused``), validates and publishes its own engine; the two engines share the kernel's bytes — one kernel layer
+blob in the store — and differ in their weights."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ CALIBRATION = {"samples": 8, "seq_len": 64}
 
 def test_a_finetune_build_reuses_the_kernel_of_its_base_and_publishes_its_own_engine(tmp_path):
     from artifacts.factory import open_store
+    from artifacts.oci import read_manifest
     from builder.pipeline import Builder
     from kiln import db
     from kiln.settings import Settings
@@ -56,6 +57,11 @@ def test_a_finetune_build_reuses_the_kernel_of_its_base_and_publishes_its_own_en
     assert kernels == [compiled.detail["kernel"]["key"]]  # one kernel, kept in the store
     # the engines name it, so GC keeps it while either is fresh or tagged (builder/gc.py)
     assert [p["kernel_key"] for p in provenance] == kernels * 2
+    # the images: kernel, weights and the rest as titled layers, the kernel's blob shared
+    images = [read_manifest(builder.store, o.digest)["layers"] for o in (base, tuned)]
+    assert [[d["annotations"]["org.opencontainers.image.title"] for d in i] for i in images] == \
+        [["kernel.tar", "weights.tar", "engine.tar"]] * 2
+    assert images[0][0]["digest"] == images[1][0]["digest"] and images[0][1]["digest"] != images[1][1]["digest"]
     cache = settings.cache_dir / "compile"
     engines = [json.loads((d / "engine.json").read_text()) for d in cache.iterdir() if not d.name.startswith(".")]
     assert len(engines) == 2 and engines[0]["kernel"] == engines[1]["kernel"]
