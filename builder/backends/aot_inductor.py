@@ -194,8 +194,9 @@ class AOTInductorBackend(Backend):
             f"build transformers' model of the family from {quantized_dir / 'hf'} (dequantized {spec.precision} "
             "weights, activation quant emulated)",
             f"torch.export.export(model, dynamic_shapes={{batch: 1..{p.max_batch_size}, seq: 1..{p.max_seq_len}}})",
-            f"torch._inductor.aoti_compile_and_package(exported, package_path={out_dir / 'model.pt2'})"
-            f"  # device {'cuda' if spec.target != 'cpu' else 'cpu'}",
+            "the kernel under its kernel key (kiln/keys.py), else torch._inductor.aoti_compile_and_package(exported) "
+            f"with no constant in the .so  # device {'cuda' if spec.target != 'cpu' else 'cpu'}",
+            f"{out_dir / KERNEL} (the kernel) and {out_dir / WEIGHTS} (the export's constants the kernel expects)",
         ]}
 
     def check_environment(self, spec: BuildSpec) -> None:
