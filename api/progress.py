@@ -62,7 +62,7 @@ class Progress:
         self.stopped.set()
         self._stop()
         self.stage = None
-        mark = {"ran": "ran   ", "cached": "cached", "skipped": "skip  "}.get(data["status"], data["status"])
+        mark = {"ran": "ran   ", "cached": "cached", "reused": "reused", "skipped": "skip  "}.get(data["status"], data["status"])
         click.echo(f"  {name:<9} {mark} {duration(data['seconds']):>10}", err=True)
 
     def _progress(self, data: dict) -> None:

@@ -1,9 +1,10 @@
 """Engine images as valid OCI images (image-spec v1.1), stored in a :class:`BlobStore`.
 
-An engine image is an ordinary OCI image manifest: one uncompressed tar layer holding the whole
-engine directory (so the layer digest is also its ``diff_id``; titled ``engine.tar``, so ``oras pull`` writes
-it as that file), and an image config whose
-``Labels`` carry provenance. Reports and signatures attach as *referrers*: artifact manifests
+An engine image is an ordinary OCI image manifest: uncompressed tar layers holding the engine directory (so a
+layer's digest is also its ``diff_id``), each titled with the file name ``oras pull`` writes it to, and an image
+config whose ``Labels`` carry provenance. An engine that is a kernel and its weights (its engine.json names both
+files) has three layers — ``kernel.tar``, ``weights.tar``, then ``engine.tar`` with the rest — so engines on one
+kernel (fine-tunes of one architecture) share the kernel layer's blob; any other engine is one ``engine.tar``. Reports and signatures attach as *referrers*: artifact manifests
 whose ``subject`` names the engine manifest. Standard OCI clients can therefore pull, inspect
 and discover them through the registry's ``/v2`` API.
 
@@ -23,10 +24,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, Callable, Mapping, cast
 
 from artifacts.interfaces import BlobInfo, BlobStore, Survey
-from artifacts.tarball import ChunkReader, HashingReader, tar_chunks, unpack_tar
+from artifacts.tarball import INTERNAL_NAMES, ChunkReader, HashingReader, tar_chunks, unpack_tar
 from kiln.digests import canonical_json, parse_digest, sha256_bytes
 from kiln.errors import DigestMismatch, StorageUnavailable
 
@@ -44,6 +45,26 @@ ENGINE_LAYER_TITLE = "engine.tar"
 skips a layer without one). The layer is an uncompressed tar of the engine's files with no folder above them, so
 it is named as the file it is, and carries no ``io.deis.oras.content.unpack``: oras unpacks only gzip layers
 whose entries sit under the title as a folder, and would fail on this one (docs/registry.md)."""
+
+KERNEL_LAYER_TITLE, WEIGHTS_LAYER_TITLE = "kernel.tar", "weights.tar"
+
+
+def engine_layers(engine_dir: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """(title, the top-level names it holds) of each layer of ``engine_dir``'s image, in order: the kernel and the
+    weights files its engine.json names (``kernel.file``, ``weights.file``) each alone, then the rest; or one layer
+    of everything."""
+    names = tuple(sorted(n for n in os.listdir(engine_dir) if n not in INTERNAL_NAMES))
+    meta = engine_dir / "engine.json"
+    try:
+        engine = json.loads(meta.read_text()) if meta.is_file() else {}
+        kernel, weights = engine["kernel"]["file"], engine["weights"]["file"]
+    except (ValueError, KeyError, TypeError):
+        return [(ENGINE_LAYER_TITLE, names)]
+    if not isinstance(kernel, str) or not isinstance(weights, str) or kernel == weights or not {kernel, weights} <= set(names):
+        return [(ENGINE_LAYER_TITLE, names)]
+    rest = tuple(n for n in names if n not in (kernel, weights))
+    return [(KERNEL_LAYER_TITLE, (kernel,)), (WEIGHTS_LAYER_TITLE, (weights,)), (ENGINE_LAYER_TITLE, rest)]
+
 
 EMPTY_JSON = b"{}"
 EMPTY_DESCRIPTOR: dict[str, Any] = {
@@ -80,45 +101,53 @@ def push_engine_image(
     annotations: dict[str, str],
     labels: dict[str, str],
     created: str = "1970-01-01T00:00:00Z",
-    layer_survey: Survey | None = None,
+    layer_survey: Mapping[str, Survey] | None = None,
 ) -> EngineImage:
-    """Store ``engine_dir`` as an OCI image: layer, then config, then manifest.
+    """Store ``engine_dir`` as an OCI image: layers (:func:`engine_layers`), then config, then manifest.
 
     ``labels`` go into the image config (``config.Labels``, what ``docker inspect`` shows);
     ``annotations`` into the manifest. ``created`` defaults to the epoch so that the digest depends
-    on content only. The layer tar is never written out: the store reads it twice as it is made from the
+    on content only. A layer tar is never written out: the store reads it twice as it is made from the
     engine files (:meth:`~artifacts.interfaces.BlobStore.put_source`), once to learn its digest (the key,
     needed before an upload can start) and once as the upload, checked against the first read.
-    ``layer_survey`` is that first read made ahead (:func:`survey_engine_layer`).
+    ``layer_survey`` is that first read made ahead, by layer title (:func:`survey_engine_layer`).
     """
-    tar_chunks(engine_dir)  # refuses a symlink or a special file before the store is touched
-    layer = store.put_source(lambda: cast(BinaryIO, ChunkReader(tar_chunks(engine_dir))), layer_survey)
+    parts = engine_layers(engine_dir)
+    for _, names in parts:
+        tar_chunks(engine_dir, names)  # refuses a symlink or a special file before the store is touched
+    surveys = layer_survey or {}
+    layers = [store.put_source(_layer_source(engine_dir, names), surveys.get(title)) for title, names in parts]
     config = {
         "created": created,
         "architecture": "amd64",
         "os": "linux",
         "config": {"Labels": dict(labels)},
-        "rootfs": {"type": "layers", "diff_ids": [layer.digest]},  # uncompressed: diff_id == digest
-        "history": [{"created": created, "created_by": "kiln: engine directory as one tar layer"}],
+        "rootfs": {"type": "layers", "diff_ids": [layer.digest for layer in layers]},  # uncompressed: diff_id == digest
+        "history": [{"created": created, "created_by": f"kiln: engine directory as {title}"} for title, _ in parts],
     }
     config_blob = store.put_bytes(canonical_json(config))
     manifest: dict[str, Any] = {
         "schemaVersion": 2,
         "mediaType": MEDIA_TYPE_IMAGE_MANIFEST,
         "config": descriptor(MEDIA_TYPE_IMAGE_CONFIG, config_blob.digest, config_blob.size),
-        "layers": [descriptor(MEDIA_TYPE_IMAGE_LAYER, layer.digest, layer.size,
-                              annotations={ANNOTATION_TITLE: ENGINE_LAYER_TITLE})],
+        "layers": [descriptor(MEDIA_TYPE_IMAGE_LAYER, layer.digest, layer.size, annotations={ANNOTATION_TITLE: title})
+                   for layer, (title, _) in zip(layers, parts)],
     }
     if annotations:
         manifest["annotations"] = dict(annotations)
     blob = store.put_bytes(canonical_json(manifest))
-    return EngineImage(blob.digest, blob.size, manifest, config_blob.digest, [layer])
+    return EngineImage(blob.digest, blob.size, manifest, config_blob.digest, layers)
 
 
-def survey_engine_layer(store: BlobStore, engine_dir: Path) -> Survey:
-    """The first read of :func:`push_engine_image`'s layer, on its own: a build makes it while validation
-    runs, so that publishing is one read of the engine, the upload."""
-    return store.survey(lambda: cast(BinaryIO, ChunkReader(tar_chunks(engine_dir))))  # a binary file object
+def survey_engine_layer(store: BlobStore, engine_dir: Path) -> dict[str, Survey]:
+    """The first read of each of :func:`push_engine_image`'s layers, by title, on its own: a build makes it while
+    validation runs, so that publishing is one read of the engine, the upload."""
+    return {title: store.survey(_layer_source(engine_dir, names)) for title, names in engine_layers(engine_dir)}
+
+
+def _layer_source(engine_dir: Path, names: tuple[str, ...]) -> Callable[[], BinaryIO]:
+    """Opens the tar of ``names`` of ``engine_dir``, made as it is read (a binary file object)."""
+    return lambda: cast(BinaryIO, ChunkReader(tar_chunks(engine_dir, names)))
 
 
 def push_referrer(

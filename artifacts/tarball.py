@@ -20,7 +20,7 @@ import os
 import shutil
 import stat
 import tarfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -46,17 +46,17 @@ def write_tar(src_dir: Path, dest: Path) -> str:
     return "sha256:" + hasher.hexdigest()
 
 
-def tar_chunks(src_dir: Path) -> Iterator[bytes]:
+def tar_chunks(src_dir: Path, names: Collection[str] | None = None) -> Iterator[bytes]:
     """The bytes of the deterministic tar of ``src_dir``'s content, in pieces of at most 1 MiB, made as they
     are read: what ``tarfile`` writes for the same entries (PAX headers from ``TarInfo.tobuf``, data padded to
     512-byte blocks, two zero blocks, the record padded to 10240 bytes), without writing the archive to disk.
-    :data:`INTERNAL_NAMES` at the top of ``src_dir`` are left out.
+    :data:`INTERNAL_NAMES` at the top of ``src_dir`` are left out; ``names``: only these top-level entries.
     The directory is walked (and anything not a regular file or a directory refused) before the first byte;
     a file that changes size meanwhile raises ``OSError``."""
     src_dir = Path(src_dir)
     if not src_dir.is_dir():
         raise NotADirectoryError(f"{src_dir} is not a directory")
-    return _tar_chunks(list(_walk(src_dir, "")))
+    return _tar_chunks(list(_walk(src_dir, "", names)))
 
 
 def _tar_chunks(entries) -> Iterator[bytes]:
@@ -90,10 +90,11 @@ def _tar_chunks(entries) -> Iterator[bytes]:
     yield tarfile.NUL * (end + -(offset + end) % tarfile.RECORDSIZE)
 
 
-def _walk(directory: Path, prefix: str) -> Iterator[tuple[str, Path, os.stat_result]]:
-    """Depth first, children sorted by name, each directory before what it holds; Kiln's records left out."""
+def _walk(directory: Path, prefix: str, names: Collection[str] | None = None) -> Iterator[tuple[str, Path, os.stat_result]]:
+    """Depth first, children sorted by name, each directory before what it holds; Kiln's records left out, and at
+    the top whatever ``names`` (when given) does not name."""
     for name in sorted(os.listdir(directory)):
-        if not prefix and name in INTERNAL_NAMES:
+        if not prefix and (name in INTERNAL_NAMES or (names is not None and name not in names)):
             continue
         path, rel = directory / name, f"{prefix}{name}"
         st = path.lstat()

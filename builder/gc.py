@@ -5,8 +5,8 @@ reaches, so a reader never finds an index row whose blobs are gone.
 Safe while builds run: a writer claims every digest it stores before the store may dedupe against it, and GC
 claims each blob before deleting it (``builder/leases.py``); a build's claims bind the plans made before it ended,
 and a plan older than the grace period is not swept.
-Stage outputs (``stage_outputs`` rows: quantized checkpoints and compiled engines in the store) are kept while a
-fresh or tagged engine was built from them or a build used them within the grace period."""
+Stage outputs (``stage_outputs`` rows: quantized checkpoints, kernels and compiled engines in the store) are kept
+while a fresh or tagged engine was built from them or a build used them within the grace period."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def plan_gc(session: Session, store: BlobStore, *, keep: int = 2, older_than: ti
             needed |= _reachable(store, r.digest)
     # stage outputs a servable engine was built from (a profile-only rebuild reuses them), or recently used
     wanted = {(a.provenance or {}).get(k) for a in kept if a.status == "fresh" or a.digest in tagged
-              for k in ("quantize_key", "compile_key", "reference_key")}
+              for k in ("quantize_key", "kernel_key", "compile_key", "reference_key")}
     for out in session.scalars(select(StageOutput)):
         if out.key in wanted or _aware(out.last_used_at) > now - grace:
             needed.add(out.digest)

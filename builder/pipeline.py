@@ -6,6 +6,7 @@ build (builder/leases.py)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from artifacts.oci import survey_engine_layer
 from builder import ladder as ladder_stage
 from builder import quantize as quantize_stage
 from builder.backends import get_backend
+from builder.backends.base import Kernels
 from builder.leases import BlobLeases, LeasedStore
 from builder.publish import name_in_repository, publish, tag_for
 from builder.resolve import ResolvedCheckpoint, checkpoint_args, identify_checkpoint, materialize_checkpoint
@@ -30,7 +32,7 @@ from builder.stagecache import StageCache
 from kiln.datasets import load_text, task_path
 from kiln.errors import BuildCancelled, KilnError
 from kiln.families import family_of
-from kiln.keys import RECIPE_VERSION, build_key, compile_key, quantize_key, reference_key, request_key
+from kiln.keys import RECIPE_VERSION, build_key, compile_key, kernel_key, quantize_key, reference_key, request_key
 from kiln.tables import Artifact
 from kiln.progress import reporting
 from kiln.recipes import AUTO
@@ -51,7 +53,7 @@ Event = Callable[[str, dict], None]
 @dataclass
 class StageRecord:
     name: str
-    status: str  # ran | cached | skipped
+    status: str  # ran | cached | reused (compile: the kernel was, only the weights were written) | skipped
     seconds: float = 0.0
     detail: dict = field(default_factory=dict)
 
@@ -113,6 +115,13 @@ def evaluation_tasks(spec: BuildSpec, policy: TaskPolicy) -> dict:
         path = task_path(name, roots=list(policy.roots))
         out[check_task_file(path, policy)["digest"]] = path
     return out
+
+
+def kernel_of(engine_dir: Path) -> str | None:
+    """The kernel key an engine's compiled code is kept under (its engine.json says), or None for a backend without."""
+    meta = engine_dir / "engine.json"
+    kernel = json.loads(meta.read_text()).get("kernel") if meta.is_file() else None
+    return kernel.get("key") if isinstance(kernel, dict) else None
 
 
 class Builder:
@@ -229,7 +238,8 @@ class Builder:
         self._check_cancel()
         cdir, _ = self._stage("compile", lambda: self.stage_cache.get(
             "compile", p.compile_key,
-            lambda out: backend.compile(first, qdir, out, checkpoint_dir=p.checkpoint_dir)), stages)
+            lambda out: backend.compile(first, qdir, out, checkpoint_dir=p.checkpoint_dir,
+                                        kernels=self.kernels(first, p.toolchain))), stages)
         self._check_cancel()
         with ThreadPoolExecutor(1, thread_name_prefix="kiln-layer-survey") as ahead:
             # publishing's first read of the engine layer (its digest), made beside validation's accuracy pass
@@ -243,7 +253,8 @@ class Builder:
         provenance = {
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "kiln": kiln.__version__,
             "recipe": RECIPE_VERSION, "spec": spec.model_dump(), "build_key": p.build_key,
-            "quantize_key": p.quantize_key, "compile_key": p.compile_key, "checkpoint": p.resolved.provenance(),
+            "quantize_key": p.quantize_key, "compile_key": p.compile_key, "kernel_key": kernel_of(cdir),
+            "checkpoint": p.resolved.provenance(),
             "family": family_of(p.model_config).name,  # what ran where (kiln/verified.py, `kiln models`)
             "toolchain": p.toolchain, "gates": p.gates, "data": p.data,
             "quantization": report["recipe"], "stages": [asdict(s) for s in stages],
@@ -317,6 +328,12 @@ class Builder:
         return reference, {"key": key, "reused": produced is None, "seconds_to_compute": reference.seconds}
 
     # -- helpers ---------------------------------------------------------------------------------
+    def kernels(self, spec: BuildSpec, toolchain: dict) -> Kernels:
+        """Compiled kernels in the stage cache (stage ``kernel``) under their kernel keys (kiln/keys.py): another
+        checkpoint of a built architecture, recipe and profile reuses one and only its weights are written."""
+        return Kernels(lambda config, quantization, code: kernel_key(config, quantization, spec, toolchain, code),
+                       lambda key, produce: self.stage_cache.get("kernel", key, produce))
+
     def _checkpoint_args(self) -> dict:
         return checkpoint_args(self.settings)  # what each checkpoint source reads from the settings
 
@@ -326,6 +343,8 @@ class Builder:
         with reporting(self._progress_sink(name, t)):
             value, record = fn()
         status = "cached" if name in ("quantize", "compile") and record is None else "ran"
+        if name == "compile" and ((record or {}).get("kernel") or {}).get("reused"):
+            status = "reused"
         rec = StageRecord(name, status, time.perf_counter() - t, record or {})
         stages.append(rec)
         self._finished(rec)

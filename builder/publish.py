@@ -108,7 +108,7 @@ def _num(value) -> str:
 
 def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path, *, spec: BuildSpec,
             build_key: str, provenance: dict, validation: dict, request_key: str | None = None,
-            layer_survey: Survey | None = None, signer: Signer | None = None) -> Artifact:
+            layer_survey: dict[str, Survey] | None = None, signer: Signer | None = None) -> Artifact:
     repository = cast(str, spec.model_name)  # parse_spec sets it: the checkpoint's name unless the spec names one
     passed = bool(validation.get("passed"))
     annotations = annotations_for(spec, build_key, provenance, passed)

@@ -4,7 +4,8 @@ machine reuses them; the worker's disk holds only a bounded cache of them.
 Where things are:
 
 * **In the store**: the output directory as one deterministic tar blob (:func:`~artifacts.tarball.tar_chunks`; for
-  a compile output these are the very bytes of the engine image's layer, so publishing it uploads nothing again).
+  a compile output of one layer these are the very bytes of the engine image's layer, so publishing it uploads
+  nothing again; a kernel-and-weights engine is published as three layers, artifacts/oci.py ``engine_layers``).
   The blob holds the output's files only, never ``.complete``: the stage record is this disk's bookkeeping (the
   database row is the store's), and it would make the engine layer differ from one build of the same key to the
   next.
@@ -51,7 +52,9 @@ from kiln.tables import StageOutput
 
 log = logging.getLogger(__name__)
 
-STAGES = ("quantize", "compile", "reference")  # reference: the unquantized model's results (validation/reference.py)
+#: kernel: compiled code without weights (builder/backends/aot_inductor.py), shared by the engines of its kernel key;
+#: reference: the unquantized model's results (validation/reference.py)
+STAGES = ("quantize", "kernel", "compile", "reference")
 COMPLETE = STAGE_RECORD  # never packed (artifacts.tarball.INTERNAL_NAMES)
 
 

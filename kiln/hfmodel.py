@@ -10,7 +10,9 @@ quantization emulated from the exported ``input_scale`` values. No family has a 
   take their input quantized with the largest of the experts' gate/up input scales (what serving runtimes do: one
   activation scale per fused GEMM); the experts' down projections run on unquantized intermediates — recorded in
   :attr:`EngineModel.emulation`. Linears that share an input and its scale (q, k, v; gate, up) share one
-  quantize-dequantize (:class:`_SharedInput`).
+  quantize-dequantize (:class:`_SharedInput`). A static scale is a float32 buffer of its module
+  (:data:`INPUT_SCALE`), so an exported engine holds it as a constant beside the weights, never as a number in its
+  code: another checkpoint of the architecture runs on the same compiled code with its own scales.
 - :class:`LogitsOnly` is the export surface: ``input_ids [batch, seq] → logits [batch, seq, vocab]``, without a KV
   cache, which is what ``torch.export`` takes with dynamic batch and sequence ranges. The logits come out in the
   dtype the model computes in, as transformers returns them and as serving runtimes do (TensorRT-LLM's engines
@@ -44,6 +46,8 @@ from kiln.quantformat import ExportedCheckpoint, load_exported
 
 #: the attention implementation an exported engine runs (registered with transformers on first use)
 CAUSAL_SDPA = "kiln_causal_sdpa"
+#: the buffer holding a quantized module's static activation scale (float32, 0-d)
+INPUT_SCALE = "kiln_input_scale"
 
 
 def _causal_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -229,11 +233,13 @@ class _SharedInput:
     def __init__(self) -> None:
         self.last: tuple | None = None
 
-    def __call__(self, fake_quant, x: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def __call__(self, fake_quant, x: torch.Tensor, scale: float | None,
+                 tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """``scale`` decides what is shared; ``tensor`` (the scale as a buffer, when given) is what is computed with."""
         last = self.last
         if last is not None and last[0] is x and last[1] == scale:
             return last[2]
-        y = fake_quant(x) if scale is None else fake_quant(x, scale)
+        y = fake_quant(x) if scale is None else fake_quant(x, scale if tensor is None else tensor)
         self.last = (x, scale, y)
         return y
 
@@ -242,12 +248,15 @@ class _SharedInput:
 
 
 def _hook(module: nn.Module, fake_quant, scale: float | None, shared: _SharedInput) -> None:
-    """``scale`` None: a dynamic quantizer (``fake_quant(x)``); else a static one, skipped for a zero scale."""
+    """``scale`` None: a dynamic quantizer (``fake_quant(x)``); else a static one, skipped for a zero scale, that
+    computes with the module's :data:`INPUT_SCALE` buffer (a constant of an exported graph, not a literal in it)."""
     if scale is not None and not scale > 0:
         return
+    if scale is not None:
+        module.register_buffer(INPUT_SCALE, torch.tensor(scale, dtype=torch.float32), persistent=False)
 
     def pre(_, args):
-        return (shared(fake_quant, args[0], scale), *args[1:])
+        return (shared(fake_quant, args[0], scale, None if scale is None else getattr(module, INPUT_SCALE)), *args[1:])
 
     module.register_forward_pre_hook(pre)
 

@@ -3,7 +3,13 @@
 - ``quantize_key``: checkpoint content × precision × KV cache × calibration × quantizer toolchain. No batch
   profile, backend, target or tensor-parallel size, so a profile-only or backend-only change reuses the
   calibration.
-- ``compile_key``: quantize_key × profile × target × backend × tensor-parallel size × compiler toolchain.
+- ``compile_key``: quantize_key × profile × target × backend × tensor-parallel size × compiler toolchain: the
+  engine directory, a kernel with its weights.
+- ``kernel_key``: what shapes an engine's compiled code and nothing that is only a value — the architecture
+  (config.json less :data:`VALUE_ONLY_CONFIG`), the recipe and its quantization layout, the profile's limits, target,
+  backend, tensor-parallel size, toolchain (the ``cpu`` entry included) and what the backend adds (aot-inductor: the
+  traced graph's digest and the C++ compiler). A fine-tune of a built architecture shares it; its weights are the
+  quantize stage's output (keyed by ``quantize_key``).
 - ``build_key`` (the BuildKey): compile_key × evaluation data × effective gates × recipe version; equal key ⇒
   the existing artifact answers, no stage runs. A forced rebuild (``kiln build --force``) puts a nonce in the
   quantize key and in the BuildKey's data, so every stage after resolve runs again and both engines are kept.
@@ -41,7 +47,9 @@ from kiln.spec import BuildSpec
 # 11: calibration and evaluation text goes through the checkpoint's tokenizer as runtimes send it (its BOS first in
 #     every window where it adds one, never scored: validation/text.py); accuracy is evaluated at the evaluation's
 #     window length and at the profile's max_seq_len.
-RECIPE_VERSION = "kiln-recipe-11"
+# 12: aot-inductor engines keep their weights outside the compiled code (weights.safetensors beside model.pt2, loaded
+#     at run time) and static activation scales are constants (kiln/hfmodel.py INPUT_SCALE), not literals in the code.
+RECIPE_VERSION = "kiln-recipe-12"
 
 
 def quantize_key(checkpoint_digest: str, spec: BuildSpec, toolchain: dict[str, str], calibration_data: str,
@@ -62,6 +70,38 @@ def compile_key(qkey: str, spec: BuildSpec, toolchain: dict[str, str]) -> str:
         "stage": "compile", "recipe": RECIPE_VERSION, "quantize": qkey,
         "profile": spec.batch_profile.limits(), "target": spec.target, "backend": spec.backend,
         "tp_size": spec.tp_size, "toolchain": toolchain,
+    })
+
+
+#: config.json fields that shape no compiled code: where the checkpoint came from and what wrote it, initialisation,
+#: the KV-cache switch (an engine runs without a cache), and ``quantization_config`` (keyed as the quantization
+#: layout, :func:`quantization_layout`); token ids (``*_token_id``, ``*_token_ids``) are a runtime's business too
+VALUE_ONLY_CONFIG = frozenset({"_name_or_path", "transformers_version", "initializer_range", "use_cache",
+                               "quantization_config"})
+
+
+def code_config(config: dict) -> dict:
+    """The fields of a config.json that shape an engine's code: every field not known to be only a value (a field
+    Kiln does not know shapes the code until it is listed in :data:`VALUE_ONLY_CONFIG`)."""
+    return {k: v for k, v in config.items()
+            if k not in VALUE_ONLY_CONFIG and not k.endswith(("_token_id", "_token_ids"))}
+
+
+def quantization_layout(block: dict) -> dict:
+    """The quantization block of an exported checkpoint (kiln/quantformat.py ``quantization_block``: algorithm, KV
+    cache algorithm, group size, excluded modules, …) less its producer (the quantizer's version, not a layout)."""
+    return {k: v for k, v in block.items() if k != "producer"}
+
+
+def kernel_key(config: dict, quantization: dict, spec: BuildSpec, toolchain: dict[str, str], code: dict) -> str:
+    """``config``: the exported checkpoint's config.json; ``quantization``: its quantization block; ``code``: what
+    the backend knows shapes its code besides (aot-inductor: the traced graph's digest, the C++ compiler)."""
+    return sha256_json({
+        "stage": "kernel", "recipe": RECIPE_VERSION, "config": code_config(config),
+        "quantization": quantization_layout(quantization), "recipe_name": spec.recipe_name,
+        "precision": spec.precision, "unquantized_layers": list(spec.unquantized_layers), "kv_cache": spec.kv_cache,
+        "profile": spec.batch_profile.limits(), "target": spec.target, "backend": spec.backend,
+        "tp_size": spec.tp_size, "toolchain": toolchain, "code": code,
     })
 
 

@@ -41,10 +41,16 @@ def dequantize_fp8(raw: dict[str, torch.Tensor], module: str) -> torch.Tensor | 
     return w.float() * raw[f"{module}.weight_scale"].float().reshape(-1, 1)
 
 
-def fake_quant_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+def fake_quant_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """Quantize-dequantize with a per-tensor scale, computed in float32 whatever ``x``'s dtype (a bf16 engine's
-    activations round as the exported scale says, not as bf16's 8-bit mantissa would), returned in ``x``'s dtype."""
-    return _fp8_qdq(x.float(), 1.0 / scale, scale).to(x.dtype)
+    activations round as the exported scale says, not as bf16's 8-bit mantissa would), returned in ``x``'s dtype.
+
+    ``scale``: a number, or a float32 tensor (an engine's constant, kiln/hfmodel.py ``INPUT_SCALE``); either way its
+    reciprocal is taken in float64 and rounded to float32, so both give the same bits."""
+    import torch
+
+    inverse = 1.0 / scale if not isinstance(scale, torch.Tensor) else (1.0 / scale.double()).float()
+    return _fp8_qdq(x.float(), inverse, scale).to(x.dtype)
 
 
 def _fp8_qdq(y: torch.Tensor, inverse, scale) -> torch.Tensor:
@@ -149,9 +155,9 @@ def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
     return q * torch.sign(v)
 
 
-def fake_quant_nvfp4(x: torch.Tensor, global_scale: float) -> torch.Tensor:
-    """Quantize-dequantize with per-16 block scales (FP8) under a global scale, in float32 (as
-    :func:`fake_quant_fp8`), returned in ``x``'s dtype."""
+def fake_quant_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize with per-16 block scales (FP8) under a global scale (a number or a float32 tensor), in
+    float32 (as :func:`fake_quant_fp8`), returned in ``x``'s dtype."""
     import torch
 
     if x.dtype != torch.float32:

@@ -1,6 +1,6 @@
 """Loading artifacts the way a deployer loads them, behind one small interface (token ids in, logits out).
 
-- ``aot-inductor``: the compiled ``model.pt2`` through ``torch._inductor.aoti_load_package``.
+- ``aot-inductor``: the compiled ``model.pt2`` through ``torch._inductor.aoti_load_package``, then its weights.
 - ``checkpoint``: the exported unified HF checkpoint as its consumers load it — transformers' implementation of
   its family, weights dequantized from its own tensors, activation quantization emulated from its scales
   (kiln/hfmodel.py; ModelOpt's NVFP4 forward needs CUDA, the exported tensors do not).
@@ -36,13 +36,21 @@ class Runner(Protocol):
 
 
 class AOTInductorRunner:
+    """The kernel (``model.pt2``), then its weights (``weights.safetensors``, every constant the kernel expects, by
+    name) through ``load_constants``. An engine without a weights file holds them inside its ``.so``."""
+
     kv_cache = False
 
     def __init__(self, engine_dir: Path):
         meta = json.loads((engine_dir / "engine.json").read_text())
         self.device = meta.get("device", "cpu")
+        weights = engine_dir / (meta.get("weights") or {}).get("file", "weights.safetensors")
         try:
             self._fn = torch._inductor.aoti_load_package(str(engine_dir / "model.pt2"))
+            if weights.is_file():
+                from safetensors.torch import load_file
+
+                self._fn.load_constants(load_file(weights, device=self.device), check_full_update=True)
         except Exception as exc:
             raise StageFailed(f"the AOTInductor package does not load: {type(exc).__name__}: {exc}") from exc
 

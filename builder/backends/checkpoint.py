@@ -8,7 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
-from builder.backends.base import Backend
+from builder.backends.base import Backend, Kernels
 from builder.serving import write_serving_configs
 from kiln.spec import BuildSpec
 
@@ -21,7 +21,8 @@ class CheckpointBackend(Backend):
     def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
         return {"commands": [], "steps": [f"copy {quantized_dir / 'hf'} to {out_dir} (no compile)"]}
 
-    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path, *, checkpoint_dir: Path) -> dict:
+    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path, *, checkpoint_dir: Path,
+                kernels: Kernels | None = None) -> dict:
         shutil.copytree(quantized_dir / "hf", out_dir)
         engine = {"format": ENGINE_FORMAT, "precision": spec.precision, "kv_cache": spec.kv_cache,
                   "profile": spec.batch_profile.model_dump(), "target": spec.target}

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from builder.backends.base import Backend
+from builder.backends.base import Backend, Kernels
 from kiln.errors import SpecError, StageFailed, ToolchainMissing
 from kiln.kvcache import KV_CACHES
 from kiln.precisions import PRECISIONS
@@ -270,7 +270,8 @@ class TRTLLMBackend(Backend):
         check_toolchain()
         check_gpus(spec, detect_gpus())
 
-    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path, *, checkpoint_dir: Path) -> dict:
+    def compile(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path, *, checkpoint_dir: Path,
+                kernels: Kernels | None = None) -> dict:
         check_toolchain()
         gpus = check_gpus(spec, detect_gpus())
         env = gpu_env(gpus[: max(spec.tp_size, 1)])

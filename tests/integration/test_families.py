@@ -122,7 +122,7 @@ def test_family_builds_validates_and_publishes_on_both_backends(family, tmp_path
     engines = {(e["format"], e["precision"]): (d, e) for d in cache.iterdir()
                for e in [json.loads((d / "engine.json").read_text())]}
     assert len(engines) == 3  # FP8 on both backends, NVFP4 on one: no other compile output
-    (aot_dir, aot_meta), (ckpt_dir, _) = engines["kiln-aot-inductor/1", "fp8"], engines["kiln-hf-checkpoint/1", "fp8"]
+    (aot_dir, aot_meta), (ckpt_dir, _) = engines["kiln-aot-inductor/2", "fp8"], engines["kiln-hf-checkpoint/1", "fp8"]
     bf16 = aot_meta["compute_dtype"] == "bfloat16"
     assert fp8_ckpt.validation["metrics"]["perplexity"] == pytest.approx(metrics["perplexity"], rel=2e-3 if bf16 else 1e-4)
     x = torch.randint(0, 2048, (1, 80), generator=torch.Generator().manual_seed(0))

@@ -197,6 +197,45 @@ def test_blobs_are_written_children_first(tmp_path, local):
     assert order == [image.layers[0].digest, image.config_digest, image.digest]
 
 
+def make_refit_engine(root: Path, weights: bytes, kernel: bytes = b"\x7fELF" * 9_000) -> Path:
+    """An engine that is a kernel and its weights (aot-inductor's: engine.json names both files)."""
+    root.mkdir(parents=True)
+    meta = {"kernel": {"file": "model.pt2"}, "weights": {"file": "weights.safetensors", "digest": sha256_bytes(weights)}}
+    for name, data in {"model.pt2": kernel, "weights.safetensors": weights, "engine.json": canonical_json(meta),
+                       "tokenizer.json": b"{}"}.items():
+        (root / name).write_bytes(data)
+    (root / ".complete").write_text("{}")  # a stage record: in no layer
+    return root
+
+
+def test_two_engines_on_one_kernel_share_the_kernel_layer(tmp_path, local):
+    """Kernel, weights, then the rest, each a titled layer: a fine-tune's image shares its base's kernel blob and
+    differs in the weights; a pull puts the directory back together."""
+    base = push(local, make_refit_engine(tmp_path / "base", b"\x01" * 50_000))
+    tuned = push(local, make_refit_engine(tmp_path / "tuned", b"\x02" * 50_000))
+    titles = [[d["annotations"]["org.opencontainers.image.title"] for d in i.manifest["layers"]] for i in (base, tuned)]
+    assert titles == [["kernel.tar", "weights.tar", "engine.tar"]] * 2
+    assert base.layers[0].digest == tuned.layers[0].digest  # the kernel, stored once
+    assert base.layers[1].digest != tuned.layers[1].digest and base.layers[2].digest != tuned.layers[2].digest
+    assert read_config(local, tuned.manifest)["rootfs"]["diff_ids"] == [layer.digest for layer in tuned.layers]
+    with tarfile.open(fileobj=io.BytesIO(local.get_bytes(tuned.layers[0].digest))) as t:
+        assert t.getnames() == ["model.pt2"]
+    pull_image(local, tuned.digest, tmp_path / "pulled")
+    assert tree(tmp_path / "pulled") == {k: v for k, v in tree(tmp_path / "tuned").items() if k != ".complete"}
+
+
+@pytest.mark.parametrize("meta", [None, {"kernel": {"file": "model.pt2"}}, {"kernel": {"file": "gone.pt2"},
+                                                                            "weights": {"file": "weights.safetensors"}}])
+def test_an_engine_that_is_not_a_kernel_and_its_weights_is_one_layer(tmp_path, local, meta):
+    engine = make_refit_engine(tmp_path / "e", b"\x01" * 100)
+    if meta is None:
+        (engine / "engine.json").unlink()
+    else:
+        (engine / "engine.json").write_bytes(canonical_json(meta))
+    image = push(local, engine)
+    assert [d["annotations"]["org.opencontainers.image.title"] for d in image.manifest["layers"]] == ["engine.tar"]
+
+
 def test_referrer_is_an_artifact_manifest_about_its_subject(tmp_path, local):
     image = push(local, make_engine(tmp_path / "engine"))
     subject = descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size)

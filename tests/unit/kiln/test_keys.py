@@ -1,4 +1,5 @@
-"""Keys: quantize_key (no profile), compile_key (profile, target, backend), build_key (the BuildKey).
+"""Keys: quantize_key (no profile), compile_key (profile, target, backend), kernel_key (what shapes the compiled
+code, no weight value), build_key (the BuildKey).
 A checkpoint enters only through its content digest, never its path or its name."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.keys import build_key, compile_key, quantize_key, request_key
+from kiln.keys import build_key, compile_key, kernel_key, quantize_key, request_key
 from kiln.recipes import recipes_for
 from kiln.spec import parse_spec
 
@@ -144,6 +145,91 @@ def test_compile_key_follows_the_quantize_key_and_toolchain(make):
     q2 = quantize_key(CKPT_B, spec, TOOLCHAIN, CAL_DATA)
     assert compile_key(q1, spec, TOOLCHAIN) != compile_key(q2, spec, TOOLCHAIN)
     assert compile_key(q1, spec, TOOLCHAIN) != compile_key(q1, spec, {**TOOLCHAIN, "tensorrt": "10.14"})
+
+
+# -- kernel_key ------------------------------------------------------------------------------------
+#: the shipped tiny Llama's config.json, as the quantize stage exports it
+CONFIG = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
+          "dtype": "float32", "eos_token_id": 1, "head_dim": 32, "hidden_act": "silu", "hidden_size": 128,
+          "initializer_range": 0.02, "intermediate_size": 384, "max_position_embeddings": 512, "mlp_bias": False,
+          "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 4,
+          "pad_token_id": None, "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+          "tie_word_embeddings": False, "transformers_version": "5.14.1", "use_cache": True, "vocab_size": 2048,
+          "_name_or_path": "/work/acme/tiny", "quantization_config": {"quant_algo": "FP8", "producer": {"version": "0.47.0"}}}
+QUANT = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "model.embed_tokens"],
+         "producer": {"name": "modelopt", "version": "0.47.0"}}
+CODE = {"graph": "sha256:" + "9" * 64, "compiler": "g++ (Debian 12.2.0-14+deb12u1) 12.2.0"}
+
+
+def kkey(spec, *, config=CONFIG, quant=QUANT, toolchain=TOOLCHAIN, code=CODE):
+    return kernel_key(config, quant, spec, toolchain, code)
+
+
+@pytest.fixture()
+def engine(make):
+    return lambda **kw: make(**{"backend": "aot-inductor", "target": "cpu", "recipe": "fp8", **kw})
+
+
+def test_kernel_key_is_a_digest_of_its_own_and_ignores_which_checkpoint(engine):
+    """No checkpoint digest, quantize key or path enters it: a fine-tune (other weights, other calibration) of the
+    same architecture, recipe and profile has the same kernel key, and its own quantize and compile keys."""
+    spec = engine()
+    assert DIGEST.match(kkey(spec)) and kkey(spec) == kkey(engine())
+    assert kkey(spec) not in keys(spec) and keys(spec) != keys(spec, ckpt=CKPT_B)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("_name_or_path", "/elsewhere/finetune"), ("transformers_version", "5.15.0"), ("bos_token_id", 7),
+    ("eos_token_id", [1, 2]), ("pad_token_id", 0), ("initializer_range", 0.5), ("use_cache", False),
+    ("quantization_config", {"quant_algo": "FP8", "producer": {"version": "0.48.0"}}),
+])
+def test_kernel_key_ignores_config_fields_that_are_only_values(engine, field, value):
+    assert kkey(engine()) == kkey(engine(), config={**CONFIG, field: value})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_hidden_layers", 5), ("hidden_size", 256), ("intermediate_size", 512), ("num_attention_heads", 8),
+    ("num_key_value_heads", 2), ("head_dim", 16), ("vocab_size", 4096), ("rms_norm_eps", 1e-5),
+    ("rope_parameters", {"rope_theta": 500000.0, "rope_type": "default"}), ("dtype", "bfloat16"),
+    ("max_position_embeddings", 1024), ("tie_word_embeddings", True), ("hidden_act", "gelu"),
+    ("architectures", ["MistralForCausalLM"]), ("sliding_window", 256),
+])
+def test_kernel_key_changes_with_every_config_field_that_shapes_code(engine, field, value):
+    assert kkey(engine()) != kkey(engine(), config={**CONFIG, field: value})
+
+
+@pytest.mark.parametrize("overrides", [
+    {"recipe": "fp8-pcpt"}, {"precision": "nvfp4", "recipe": "nvfp4"}, {"unquantized_layers": [0]},
+    {"profile": "balanced"}, {"profile": {"max_batch_size": 1, "max_input_len": 256, "max_seq_len": 513, "max_num_tokens": 512}},
+    {"target": "sm90"}, {"backend": "checkpoint"},
+])
+def test_kernel_key_changes_with_the_recipe_profile_target_and_backend(engine, overrides):
+    assert kkey(engine()) != kkey(engine(**overrides))
+
+
+@pytest.mark.parametrize("quant", [
+    {**QUANT, "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}, {**QUANT, "exclude_modules": ["lm_head"]},
+    {**QUANT, "kv_cache_quant_algo": "FP8"}, {},
+])
+def test_kernel_key_changes_with_the_quantization_layout_not_its_producer(engine, quant):
+    assert kkey(engine()) != kkey(engine(), quant=quant)
+    assert kkey(engine()) == kkey(engine(), quant={**QUANT, "producer": {"name": "modelopt", "version": "0.48.0"}})
+
+
+@pytest.mark.parametrize("toolchain, code", [
+    ({**TOOLCHAIN, "torch": "2.14.0"}, CODE), ({**TOOLCHAIN, "cpu": "x86_64-AVX512-BF16"}, CODE),
+    (TOOLCHAIN, {**CODE, "compiler": "g++ 13.1.0"}), (TOOLCHAIN, {**CODE, "graph": "sha256:" + "8" * 64}),
+])
+def test_kernel_key_changes_with_the_toolchain_the_cpu_the_compiler_and_the_graph(engine, toolchain, code):
+    assert kkey(engine()) != kkey(engine(), toolchain=toolchain, code=code)
+
+
+def test_kernel_key_changes_when_the_recipe_version_is_bumped(engine, monkeypatch):
+    import kiln.keys
+
+    before = kkey(engine())
+    monkeypatch.setattr(kiln.keys, "RECIPE_VERSION", "kiln-recipe-test-bump")
+    assert kkey(engine()) != before
 
 
 # -- build_key -------------------------------------------------------------------------------------
