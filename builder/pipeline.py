@@ -305,7 +305,7 @@ class Builder:
                 key = compile_key(best.quantize_key, built, p.toolchain)
                 quantized = cast(Path, best.quantized)  # a rung the climb quantized (only the first has none)
                 built_dir, _ = self.stage_cache.get("compile", key, lambda out: backend.compile(
-                    built, quantized, out, checkpoint_dir=p.checkpoint_dir))
+                    built, quantized, out, checkpoint_dir=p.checkpoint_dir, kernels=self.kernels(built, p.toolchain)))
                 report = check(built, built_dir)
         # frees its hidden states before publish (check() closes over the name)
         reference = None  # type: ignore[assignment]
