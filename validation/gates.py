@@ -1,8 +1,9 @@
 """Gates: thresholds that decide whether an engine may be served.
 
-- Accuracy and speed floors, per precision (FP8 tighter than NVFP4), chosen so correct builds of the shipped
-  tiny Llama pass with margin and a damaged one fails loudly (measured: FP8 W8A8 ≈ +0.4 % perplexity, NVFP4
-  W4A4 ≈ +5 %; a scrambled NVFP4 dequant ≈ ×2000; a corrupted FP8 weight scale ≈ ×10).
+- Accuracy and speed floors, per precision (FP8 tighter than NVFP4), chosen so faithful builds of two real
+  families (SmolLM2-135M, Gemma 3 270M) on two texts pass and a damaged one fails loudly (measured: FP8 +1.2 – 3.5 %
+  perplexity, KL 0.02 – 0.07; a scrambled NVFP4 dequant ≈ ×2000; a corrupted FP8 weight scale ≈ ×10;
+  docs/validation.md "Gates").
 - The memory budget ``max_peak_memory_bytes``: the envelope's corner must fit. Its default depends on the
   target (:func:`memory_budget`) and, for ``cpu``, on the validating machine's RAM, so it is resolved when the
   engine is validated and enters no key unless a build overrides it.
