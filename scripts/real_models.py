@@ -137,10 +137,20 @@ def ensure(name: str = "smollm2-135m") -> Path:
     missing = missing_packages(name)
     if missing:
         raise RuntimeError(f"making {name} needs: pip install {' '.join(missing)}")
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".lock", "w") as lock:  # one maker at a time (two test workers): the others wait, then find it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file():
+            return out
+        return _make(name, out)
+
+
+def _make(name: str, out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     try:
         gguf = fetch_gguf(name, tmp)
@@ -150,11 +160,7 @@ def ensure(name: str = "smollm2-135m") -> Path:
         gguf.unlink()
         model.save_pretrained(tmp, max_shard_size="100MB")
         tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process made it first (two test workers): theirs is complete
-            if not (out / "config.json").is_file():
-                raise
+        os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
