@@ -67,7 +67,7 @@ def fake_quantized(ckpt: Path, recipe: str, calib_text: str, samples: int = 32, 
 
 
 def measure(ckpt: Path, recipe: str, calib_text: str, eval_text: str, *, max_tokens: int = 16384,
-            profile: str = "latency", reference=None) -> dict:
+            profile: str | dict = "latency", reference=None) -> dict:
     """The fake-quantized model's accuracy against the float32 reference on every window of ``eval_text`` (no
     sequential stopping), at each window length of the profile."""
     spec = parse_spec({"checkpoint": str(ckpt), "precision": RECIPES[recipe].precision, "recipe": recipe,
