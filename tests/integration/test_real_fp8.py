@@ -117,3 +117,27 @@ class TestFP8OnSmolLM2:
         assert [o["reference"] for o in t1["outcomes"]] == [o["reference"] for o in t2["outcomes"]]
         assert [s["status"] for s in again["stages"]][1:3] == ["cached", "cached"]  # quantize, compile
         assert first["tpot_ms"] is None and again["tpot_ms"] is None  # the aot-inductor engine has no KV cache
+
+
+GPL3 = Path("/usr/share/common-licenses/GPL-3")  # English prose nobody on the team chose (Debian's base-files)
+
+
+@pytest.fixture(scope="module")
+def other_text(ckpt, home, plain) -> dict:
+    """The same FP8 build evaluated on another English text than the one the defaults were measured on."""
+    if not GPL3.is_file():
+        pytest.skip(f"{GPL3} is not on this machine (Debian's base-files ships it)")
+    text = ckpt.parent / "texts" / "gpl-3.txt"  # under a checkpoint root the CLI is given
+    text.parent.mkdir(exist_ok=True)
+    text.write_bytes(GPL3.read_bytes())
+    code, out, err = kiln_json("build", str(ckpt), "--precision", "fp8", "--eval-dataset", str(text), home=home,
+                               checkpoint=ckpt)
+    assert code == 0, err[-3000:]
+    return out
+
+
+def test_the_default_fp8_build_is_published_on_a_text_the_defaults_were_not_tuned_on(other_text):
+    assert other_text["status"] == "succeeded" and other_text["artifact"]["status"] == "fresh"
+    m = other_text["validation"]["metrics"]
+    assert 5 < m["reference_perplexity"] < 60 and [x["seq_len"] for x in m["long_windows"]] == [512]
+    assert all(g["passed"] for g in other_text["validation"]["gates"])
