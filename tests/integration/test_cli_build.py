@@ -162,8 +162,10 @@ class TestTheQuickStartBuild:
 
         import torch
 
-        runner = torch._inductor.aoti_load_package(str(dest / "model.pt2"))
-        logits = runner(torch.tensor([[1, 2, 3, 4, 5]]))
+        from validation.runners import open_engine
+
+        runner = open_engine("aot-inductor", dest)  # the kernel (model.pt2), then its weights (weights.safetensors)
+        logits = runner.prefill(torch.tensor([[1, 2, 3, 4, 5]]))
         assert tuple(logits.shape) == (1, 5, 2048) and torch.isfinite(logits).all()
 
         shown = json.loads(kiln("artifacts", "show", fp8["digest"], home=home, check=True).stdout)
