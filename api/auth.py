@@ -3,7 +3,7 @@
 Scopes: ``artifacts:read`` (deployers: resolve, artifacts, /v2 pulls), ``builds:write`` (CI: submit, cancel,
 register models; includes reading), ``admin`` (tokens, revoke, everything). Tokens are stored as hashes
 (HMAC-SHA256 keyed with ``KILN_TOKEN_SECRET`` when set), may expire, and an address with too many failed token
-checks is answered 429 for a minute. What each scope reveals: docs/security.md. /v2 accepts them the way OCI clients send them: ``Bearer <token>`` or Basic with the token as password.
+checks has its further failures answered 429 for a minute (a valid token from it is still served). What each scope reveals: docs/security.md. /v2 accepts them the way OCI clients send them: ``Bearer <token>`` or Basic with the token as password.
 Health endpoints are open; the Hugging Face webhook authenticates with its own secret.
 """
 
@@ -49,7 +49,7 @@ def token_hash(token: str, secret: str | None = None) -> str:
     return token_hashes(token, secret)[0]
 
 
-#: Failed token checks allowed per client address and window before it is answered 429 for the window.
+#: Failed token checks allowed per client address and window before its further failures are answered 429.
 MAX_FAILURES, FAILURE_WINDOW_S = 10, 60.0
 
 
@@ -176,15 +176,17 @@ class AuthMiddleware:
         if need is None or (not headers.get("authorization") and anonymous_ok(settings, scope["method"], path, need)):
             state["anonymous"] = not headers.get("authorization")
             return await self.app(scope, receive, send)
+        # The token is checked first: a valid one is served even from a throttled address (one client's bad
+        # tokens never lock out another behind the same address); only failures are counted and throttled.
         client = (scope.get("client") or ("?",))[0]
-        if headers.get("authorization") and self._throttled(client):
-            return await _refuse(e.RateLimited("too many failed token checks from this address", field="Authorization",
-                                               fix=f"wait {int(FAILURE_WINDOW_S)} s and use a valid token",
-                                               headers={"Retry-After": str(int(FAILURE_WINDOW_S))}),
-                                 scope, receive, send)
         denied, granted = await self._check(headers.get("authorization"), need)
         if denied is not None:
             if isinstance(denied, e.Unauthorized) and headers.get("authorization"):
+                if self._throttled(client):
+                    return await _refuse(e.RateLimited(
+                        "too many failed token checks from this address", field="Authorization",
+                        fix=f"wait {int(FAILURE_WINDOW_S)} s and use a valid token",
+                        headers={"Retry-After": str(int(FAILURE_WINDOW_S))}), scope, receive, send)
                 self._failed(client)
             return await _refuse(denied, scope, receive, send)
         state["scopes"] = granted

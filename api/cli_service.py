@@ -43,7 +43,16 @@ def api(host: str, port: int, workers: int, ssl_certfile: str | None, ssl_keyfil
                         else "ssl_certfile", fix="give both (the certificate and its key), or neither for HTTP")
     _upgrade_embedded_db()
     uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="info",
-                access_log=workers == 1, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
+                access_log=workers == 1, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, **proxy_options())
+
+
+def proxy_options() -> dict:
+    """uvicorn honours X-Forwarded-For from 127.0.0.1 by default: a client of a proxy on the same host would choose
+    its own address (the one failed token checks are counted against). Only KILN_FORWARDED_ALLOW_IPS's proxies."""
+    from kiln.settings import Settings
+
+    allow = Settings().forwarded_allow_ips
+    return {"proxy_headers": True, "forwarded_allow_ips": allow} if allow else {"proxy_headers": False}
 
 
 def _heartbeat_loop(name: str, queues: list[str], stop: threading.Event) -> None:
@@ -164,7 +173,7 @@ def serve(host: str, port: int) -> None:
         # uvicorn re-raises the SIGTERM it caught once it has shut down; by default that kills this process
         # before the finally below stops the worker. Raised as SystemExit instead, the finally runs.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        uvicorn.run(create_app(), host=host, port=port, log_level="info")
+        uvicorn.run(create_app(), host=host, port=port, log_level="info", **proxy_options())
     finally:
         child.send_signal(signal.SIGTERM)
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from api.cli_base import _context, _find_artifact, main
-from kiln.errors import DigestMismatch, SignatureInvalid, SpecError, UnsafeLayer
+from kiln.errors import DigestMismatch, EngineRevoked, SignatureInvalid, SpecError, UnsafeLayer
 
 
 @main.command()
@@ -21,7 +21,7 @@ from kiln.errors import DigestMismatch, SignatureInvalid, SpecError, UnsafeLayer
 def verify(ref: str, key: str | None, server: str | None) -> None:
     """Verify engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag; with --server a
     [model@]digest): manifest digest, files against their signature, signed provenance
-    and its subject. Exit 0 verified, 1 not verified (the reason on stderr), 2 bad input."""
+    and its subject. Exit 0 verified, 1 not verified (the reason on stderr), 2 bad input or a revoked engine."""
     from artifacts.verify import keys_from
 
     if server and not key:
@@ -46,6 +46,9 @@ def verify(ref: str, key: str | None, server: str | None) -> None:
             keys = keys_from(key) if key else trusted_keys()
             _, store, sessions = _context()
             row = _find_artifact(sessions, ref)
+            if row.status == "revoked":  # as a remote Kiln refuses it (/v2: 403)
+                raise EngineRevoked(f"engine {row.digest} is revoked ({row.status_reason or 'no reason given'}); "
+                                    "it is not verified", field="ref", fix="verify a fresh engine of this model")
             with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
                 try:
                     manifest = pull_image(store, row.digest, Path(tmp) / "engine")

@@ -14,6 +14,7 @@ neutralised, since an engine never contains them.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -160,28 +161,48 @@ class HashingReader(ChunkReader):
 def unpack_tar(stream: BinaryIO, dest: Path) -> None:
     """Unpack the tar read from ``stream`` into the existing directory ``dest``.
 
-    Raises ``ValueError`` for an absolute name, a ``..`` component, a link, a device or FIFO,
+    Raises ``ValueError`` naming the member for an absolute name, a ``..`` component, a link, a device or FIFO,
     a sparse member (GNU or PAX: its holes would be written out, so a small verified layer could fill the disk),
-    or a file over a directory; ``tarfile.TarError`` for a malformed archive."""
+    a file over a directory, a name already unpacked as a file (a duplicate, a directory of that name, a member
+    under it) or one the filesystem cannot hold (too long); ``tarfile.TarError`` for a malformed archive. What
+    was written before stays: callers unpack into a staging directory they remove on failure."""
+    files: set[tuple[str, ...]] = set()  # the regular files unpacked so far
     with tarfile.open(fileobj=stream, mode="r|", bufsize=_BUFSIZE) as tar:
         for member in tar:
             if member.type == tarfile.GNUTYPE_SPARSE or member.issparse() or any(
                     k.startswith("GNU.sparse.") for k in member.pax_headers):
                 raise ValueError(f"refusing {member.name!r}: sparse members are not unpacked")
-            target = dest.joinpath(*_safe_parts(member.name))
-            if member.isdir():
-                target.mkdir(mode=0o755, parents=True, exist_ok=True)
-            elif member.isreg():
-                target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-                if target.is_dir():
-                    raise ValueError(f"refusing {member.name!r}: it would replace a directory")
-                source = tar.extractfile(member)
-                assert source is not None  # a regular file always has content
-                with open(target, "wb") as out:
-                    shutil.copyfileobj(source, out, _BUFSIZE)
-                os.chmod(target, 0o755 if member.mode & stat.S_IXUSR else 0o644)
-            else:
-                raise ValueError(f"refusing {member.name!r}: only regular files and directories may be unpacked")
+            parts = _safe_parts(member.name)
+            if any(parts[:i] in files for i in range(1, len(parts) + 1)):
+                raise ValueError(f"refusing {member.name!r}: a file of that name or path is already unpacked")
+            target = dest.joinpath(*parts)
+            try:
+                _unpack_member(tar, member, target)
+            except OSError as exc:  # a name the filesystem refuses; a full disk and the like are not the archive's
+                if exc.errno not in _NAME_ERRORS:
+                    raise
+                raise ValueError(f"refusing {member.name!r}: {exc.strerror}") from None
+            if member.isreg():
+                files.add(parts)
+
+
+_NAME_ERRORS = frozenset({errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTDIR, errno.EISDIR})
+
+
+def _unpack_member(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -> None:
+    if member.isdir():
+        target.mkdir(mode=0o755, parents=True, exist_ok=True)
+    elif member.isreg():
+        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        if target.is_dir():
+            raise ValueError(f"refusing {member.name!r}: it would replace a directory")
+        source = tar.extractfile(member)
+        assert source is not None  # a regular file always has content
+        with open(target, "wb") as out:
+            shutil.copyfileobj(source, out, _BUFSIZE)
+        os.chmod(target, 0o755 if member.mode & stat.S_IXUSR else 0o644)
+    else:
+        raise ValueError(f"refusing {member.name!r}: only regular files and directories may be unpacked")
 
 
 def _safe_parts(name: str) -> tuple[str, ...]:

@@ -197,7 +197,7 @@ class Builder:
             "build_key": p.build_key, "quantize_key": p.quantize_key, "compile_key": p.compile_key,
             "spec": p.spec.model_dump(), "profile": p.spec.batch_profile.model_dump(), "tag": tag_for(p.spec),
             "checkpoint": p.resolved.provenance(), "toolchain": p.toolchain, "gates": p.gates,
-            "cached": {"artifact": existing.digest if existing else None,
+            "cached": {"artifact": existing.digest if existing and existing.status != "revoked" else None,
                        "quantize": self.stage_cache.where("quantize", p.quantize_key) is not None,
                        "compile": self.stage_cache.where("compile", p.compile_key) is not None},
             "compile": get_backend(p.spec.backend).plan(p.first, qdir, cdir), "recipe": p.spec.recipe_name,
@@ -218,6 +218,8 @@ class Builder:
         p, resolve_rec = self.prepare(spec, rebuild=rebuild)
         stages = [resolve_rec]
         existing = self._existing(p.build_key)
+        if existing is not None and existing.status == "revoked":  # never answers; its key is taken: a new one
+            return self._build(spec, rebuild=uuid.uuid4().hex)
         if existing is not None:
             if existing.repository != spec.model_name:  # another repository's engine: judged, then named here too
                 judge_naming(self.sessions, spec, p.data, existing, p.gates)

@@ -19,7 +19,7 @@ from builder.attest import sign_engine
 from kiln.backends import BACKENDS, default_backend
 from kiln.errors import ArtifactUnknown
 from kiln.tables import Artifact, Referrer, TrackedModel
-from kiln.sources import source_link
+from kiln.sources import LOCAL, local_path, source_link, source_of
 from kiln.spec import BuildSpec
 from kiln.states import add_artifact, initial_artifact_status, move_artifact, name_engine
 from kiln.targets import CPU
@@ -37,8 +37,15 @@ def tag_for(spec: BuildSpec) -> str:
 
 
 def _source_url(ref: str) -> str:
-    """Where the checkpoint came from, as a URL a registry UI can link (its source's rule, kiln/sources.py)."""
-    return source_link(ref)
+    """Where the checkpoint came from, as a URL a registry UI can link (its source's rule, kiln/sources.py); a
+    local checkpoint as :func:`_public_ref`."""
+    return _public_ref(ref) if source_of(ref) is LOCAL else source_link(ref)
+
+
+def _public_ref(ref: str) -> str:
+    """The checkpoint reference an engine's annotations show: a local checkpoint's folder name alone
+    (``file:tiny``), never the worker's absolute path; other references as given."""
+    return f"file:{local_path(ref).name}" if source_of(ref) is LOCAL else ref
 
 
 def runtime_for(spec: BuildSpec, toolchain: dict) -> str:
@@ -76,7 +83,7 @@ def annotations_for(spec: BuildSpec, build_key: str, provenance: dict, passed: b
         f"{ANNOTATION_PREFIX}.engine.runtime": runtime_for(spec, provenance["toolchain"]),
         f"{ANNOTATION_PREFIX}.build-key": build_key,
         f"{ANNOTATION_PREFIX}.checkpoint.digest": provenance["checkpoint"]["digest"],
-        f"{ANNOTATION_PREFIX}.checkpoint.ref": provenance["checkpoint"]["ref"],
+        f"{ANNOTATION_PREFIX}.checkpoint.ref": _public_ref(checkpoint["ref"]),
         f"{ANNOTATION_PREFIX}.precision": spec.precision,
         f"{ANNOTATION_PREFIX}.target": spec.target,
         f"{ANNOTATION_PREFIX}.backend": spec.backend,

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     # allow POST /v1/admission/validate (only) without a token: the Kubernetes API server calls webhooks without one
     anonymous_admission: bool = False
     max_body_bytes: int = 1 << 20
+    # The proxies (uvicorn's --forwarded-allow-ips: comma-separated addresses, or "*") whose X-Forwarded-For names
+    # the client, e.g. for failed token checks; unset: none, a request's address is its connection's.
+    forwarded_allow_ips: str | None = None
     # `kiln pull --server`: the most bytes an engine's layers may declare together (a hostile server is refused
     # before anything is downloaded)
     pull_max_bytes: int = Field(default=256 << 30, gt=0)

@@ -36,7 +36,7 @@ KILN_SERVICES = {"migrate", "api", "worker-cpu", "worker-gpu"}
 # Third-party images: repository -> what its command may start with (None: the image's own default command).
 THIRD_PARTY_COMMANDS = {
     "postgres": {None},
-    "redis": {None},
+    "redis": {"redis-server"},
     "minio/minio": {"server"},
     "minio/mc": {None},  # minio-init runs a /bin/sh -c script, checked on its own below
 }
@@ -46,7 +46,7 @@ KILN_HOME = "/var/lib/kiln"
 #: What the host must set: the API's bootstrap token, the database's and MinIO's passwords (there is no default
 #: secret in the file).
 HOST_ENV = {"KILN_BOOTSTRAP_TOKEN": "host-bootstrap-token", "POSTGRES_PASSWORD": "host-postgres-password",
-            "MINIO_ROOT_PASSWORD": "host-minio-password"}
+            "MINIO_ROOT_PASSWORD": "host-minio-password", "REDIS_PASSWORD": "host-redis-password"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -404,7 +404,7 @@ def test_kiln_services_share_one_configuration(raw, services):
     assert first["KILN_AUTH"] == "required"
     expected = {
         "KILN_DATABASE_URL": "postgresql+psycopg://kiln:host-postgres-password@postgres:5432/kiln",
-        "KILN_BROKER_URL": "redis://redis:6379/0",
+        "KILN_BROKER_URL": "redis://:host-redis-password@redis:6379/0",
         "KILN_STORE_URL": "s3://kiln/engines",
         "KILN_S3_ENDPOINT_URL": "http://minio:9000",
         "AWS_DEFAULT_REGION": "us-east-1",
@@ -444,12 +444,26 @@ def test_configuration_is_what_kiln_settings_reads(services, monkeypatch):
 
 @pytest.mark.parametrize("secret", sorted(HOST_ENV))
 def test_the_stack_does_not_start_without_each_secret(raw, secret):
-    """Tokens are required, and the first one comes from the host; so do the database's and MinIO's passwords
+    """Tokens are required, and the first one comes from the host; so do the database's, Redis's and MinIO's passwords
     (they defaulted to `kiln` and `kiln-minio-secret`): any of them missing, no stack, and compose's refusal names
     it (no default secret)."""
     with pytest.raises(AssertionError, match=secret):
         interpolate(raw, {k: v for k, v in HOST_ENV.items() if k != secret})
     assert "KILN_BOOTSTRAP_TOKEN" not in raw["x-kiln-env"]  # not handed to workers or migrations
+
+
+def test_redis_requires_the_password_the_broker_url_carries(services):
+    """Redis is published on STACK_PUBLISH_ADDR (a private address, for GPU workers on other hosts): it runs with
+    --requirepass REDIS_PASSWORD, its healthcheck authenticates with it, and every Kiln service's broker URL
+    carries it."""
+    redis = services["redis"]
+    command = command_of(redis)
+    assert command[:1] == ["redis-server"] and "--requirepass" in command
+    assert command[command.index("--requirepass") + 1] == HOST_ENV["REDIS_PASSWORD"]
+    assert env_of(redis)["REDISCLI_AUTH"] == HOST_ENV["REDIS_PASSWORD"]  # redis-cli ping, authenticated
+    for name in KILN_SERVICES:
+        broker = urlparse(env_of(services[name])["KILN_BROKER_URL"])
+        assert (broker.scheme, broker.hostname, broker.password) == ("redis", "redis", HOST_ENV["REDIS_PASSWORD"])
 
 
 @pytest.mark.parametrize("host_env", [{"MINIO_ROOT_PASSWORD": "kiln-minio-secret"},

@@ -170,6 +170,43 @@ def test_a_sparse_member_is_refused(hostile, tmp_path, make):
     assert _nothing_at(out / "engine")
 
 
+def _tar(*members: tuple[str, bytes | None]) -> bytes:
+    """Members in order: (name, content) a regular file, (name, None) a directory."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+LONG = "n" * 300  # over NAME_MAX (255) on every filesystem Kiln runs on
+
+
+@pytest.mark.parametrize("members,named", [
+    ([("config.json", b"{}"), ("a", b"x"), ("a", None)], "a"),  # a file, then a directory of that name
+    ([("config.json", b"{}"), ("a", b"x"), ("a/b", b"y")], "a/b"),  # a file under a file
+    ([("config.json", b"{}"), ("a", b"x"), ("a", b"y")], "a"),  # the same file twice
+    ([("config.json", b"{}"), ("d", None), ("d", b"y")], "d"),  # a directory, then a file of that name
+    ([("config.json", b"{}"), (LONG, b"x")], LONG),  # a name the filesystem cannot hold
+], ids=["file-then-dir", "file-under-file", "duplicate-file", "dir-then-file", "name-too-long"])
+def test_a_layer_whose_members_collide_or_cannot_be_named_is_refused_naming_the_member(hostile, tmp_path, members,
+                                                                                        named):
+    """These ended in `internal error: NotADirectoryError/FileExistsError/OSError` (exit 3)."""
+    d = hostile.engine(_tar(*members))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(UnsafeLayer, match=f"refusing {named!r}") as refused:
+        pull_remote(hostile.url, f"{REPO}@{d}", out / "engine")
+    assert "\n" not in refused.value.message
+    assert _nothing_at(out / "engine")
+
+
 def test_an_endless_manifest_is_cut_at_4_mib(hostile, tmp_path):
     digest = "sha256:" + "1" * 64
 

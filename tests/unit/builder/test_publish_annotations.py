@@ -65,7 +65,9 @@ def test_published_manifest_carries_standard_and_kiln_annotations(registry, tmp_
     assert a["org.opencontainers.image.title"] == "acme/tiny"
     assert a["org.opencontainers.image.version"] == row.tag
     assert a["org.opencontainers.image.source"] == ("https://huggingface.co/acme/tiny" if ref.startswith("hf://")
-                                                    else "file:///ckpt/tiny")
+                                                    else "file:tiny")  # a local folder's name, not its path
+    assert a["dev.kiln.checkpoint.ref"] == (ref if ref.startswith("hf://") else "file:tiny")
+    assert "/ckpt" not in json.dumps(a)
     assert a["org.opencontainers.image.revision"] == (revision or digest)  # no commit: the content digest
     assert (a["dev.kiln.engine.target"], a["dev.kiln.engine.precision"], a["dev.kiln.engine.profile"],
             a["dev.kiln.engine.backend"], a["dev.kiln.engine.runtime"]) == (target, "fp8", "balanced", backend, runtime)
@@ -92,7 +94,7 @@ def test_source_urls_runtimes_and_json_annotations_are_exact():
 
     assert _source_url("hf://acme/tiny@refs@odd") == "https://huggingface.co/acme/tiny"
     assert _source_url("s3://bucket/prefix") == "s3://bucket/prefix"
-    assert _source_url("/ckpt/tiny") == "file:///ckpt/tiny"
+    assert _source_url("/ckpt/tiny") == _source_url("file:///ckpt/tiny") == "file:tiny"  # never the path
     spec = parse_spec({"checkpoint": f"hf://acme/tiny@{'a' * 40}", "precision": "fp8", "backend": "trtllm-engine",
                        "target": "sm90"}, [])
     assert runtime_for(spec, {}) == "tensorrt_llm=absent,tensorrt=absent"

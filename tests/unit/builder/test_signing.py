@@ -234,6 +234,19 @@ def test_kiln_verify_verdicts(kiln, tmp_path):
     assert _verify(b.digest)[0] == 0
 
 
+def test_kiln_verify_refuses_a_revoked_engine_in_the_local_store(kiln):
+    """With --server a revoked engine is refused (403 from /v2); the local store said "verified", exit 0."""
+    from kiln.states import move_artifact
+
+    a = kiln.publish("engine-a")
+    with kiln.sessions() as s:
+        move_artifact(s, s.get(Artifact, a.digest), "revoked", reason="bad weights")
+        s.commit()
+    code, out = _verify(a.digest)
+    assert code == 2 and "verified" not in out.replace("not verified", "")
+    assert f"engine {a.digest} is revoked (bad weights)" in out
+
+
 def test_tampered_layer_in_the_store_is_not_verified(kiln):
     a = kiln.publish("engine-a")
     from artifacts import paths

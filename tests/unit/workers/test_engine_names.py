@@ -346,3 +346,39 @@ def test_naming_an_engine_that_does_not_regress_here_still_works(env, tmp_path):
     answer = submit(settings, sessions, spec_a, broker)
     assert answer.outcome == "existing-artifact" and answer.artifact.digest == theirs.digest
     assert _tag(sessions, A, theirs.tag) == theirs.digest
+
+
+def test_a_revoked_engine_never_answers_a_build_it_is_built_anew(env, tmp_path, monkeypatch):
+    """The API's lookup skips revoked engines and enqueues the build; the worker's lookup (Builder._existing)
+    answered it with the revoked engine (`kiln build --server` printed [revoked], exit 0). The worker now builds
+    anew, under a new BuildKey (the revoked engine keeps its own)."""
+    import builder.pipeline as pipeline
+
+    settings, sessions, broker = env
+    engine = _published_under_b(settings, sessions, tmp_path)
+    with sessions() as s:
+        move_artifact(s, s.get(Artifact, engine.digest), "revoked", reason="bad weights")
+        s.commit()
+    spec = spec_of(settings, CPU)
+    answer = submit(settings, sessions, spec, broker)
+    assert answer.outcome != "existing-artifact" and len(broker.sent) == 1  # the API: built anew
+
+    b = pipeline.Builder(settings, None, sessions)
+    assert b.describe(prepared(settings, sessions, spec))["cached"]["artifact"] is None
+    keys = []
+
+    def materialize(resolved, **_):  # past the lookup: the build runs its stages (stopped here)
+        raise RuntimeError("built anew")
+
+    real = pipeline.Builder.prepare
+
+    def prepare(self, *a, **kw):
+        done = real(self, *a, **kw)
+        keys.append(done[0].build_key)
+        return done
+
+    monkeypatch.setattr(pipeline.Builder, "prepare", prepare)
+    monkeypatch.setattr(pipeline, "materialize_checkpoint", materialize)
+    with pytest.raises(RuntimeError, match="built anew"):
+        b.build(spec)
+    assert keys[0] == engine.build_key and keys[-1] != engine.build_key
