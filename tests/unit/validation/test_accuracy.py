@@ -171,3 +171,17 @@ def test_a_bf16_head_on_bf16_hidden_states_keeps_float32_logits_and_anything_els
     full = LogitsHead(torch.randn(4096, 256))  # a float32 head: never the fast path
     assert not full._bf16_operands
     assert torch.equal(full(hidden), torch.nn.functional.linear(hidden, full.weight))
+
+
+def test_window_sums_are_the_same_in_chunks_of_positions(monkeypatch):
+    """A large vocabulary's windows are summed a few positions at a time (bounded copies): the same sums."""
+    from validation import accuracy as acc
+
+    g = torch.Generator().manual_seed(0)
+    le, lr = torch.randn(3, 40, 97, generator=g), torch.randn(3, 40, 97, generator=g)
+    y = torch.randint(0, 97, (3, 40), generator=g)
+    whole = acc._window_sums(le, lr, y, skip=1)
+    monkeypatch.setattr(acc, "LOGITS_BUDGET", 4 * 3 * 97 * 7)  # 7 positions a pass
+    chunked = acc._window_sums(le, lr, y, skip=1)
+    for k in whole:
+        assert torch.allclose(whole[k], chunked[k], rtol=1e-9, atol=1e-9), k
