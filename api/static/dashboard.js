@@ -276,7 +276,7 @@ function gatesTable(gates) {
   return h("table", { id: "gates" },
     h("thead", null, h("tr", null, ["gate", "value", "interval", "threshold", ""].map((t) => h("th", null, t)))),
     h("tbody", null, gates.map((g) => h("tr", null,
-      h("td", { title: g.name, "data-gate": g.name }, U.gateLabel(g.name) + (g.task ? " [" + g.task + "]" : "")),
+      h("td", { title: g.name, "data-gate": g.name }, U.gateLabel(g.name) + gateSubject(g)),
       h("td", { class: "num" }, U.gateValue(g.name, g.value)),
       h("td", { class: "num" }, U.gateInterval(g)),
       h("td", { class: "num" }, U.gateOp(g.name) + " " + U.gateValue(g.name, g.threshold)),
@@ -386,7 +386,10 @@ function difference(kind, a, b) {
   return a === 0 ? "" : U.percent((b - a) / Math.abs(a) * 100);
 }
 
-function gateKey(g) { return g.name + (g.task ? " [" + g.task + "]" : ""); }
+function gateKey(g) { return g.name + gateSubject(g); }
+
+// What a verdict was measured on beside its gate (kiln/units.py gate_subject): a task, or a longer window length.
+function gateSubject(g) { return g.task ? " [" + g.task + "]" : g.seq_len ? " [" + g.seq_len + "-token windows]" : ""; }
 
 // A JSON value as flat "path → text" pairs: objects by key ("toolchain.torch"), lists of named objects by name
 // ("stages.quantize.seconds"), other lists of objects by index ("spec.tasks[0].path"), lists of plain values
@@ -463,7 +466,7 @@ async function renderCompare(view, query) {
     h("tbody", null, names.map((n) => {
       const x = ga[n], y = gb[n], verdict = (g) => g && (g.decision || (g.passed ? "pass" : "fail"));
       return h("tr", { "data-gate": n, class: verdict(x) !== verdict(y) ? "differs" : null },
-        h("td", null, U.gateLabel((x || y).name) + ((x || y).task ? " [" + (x || y).task + "]" : "")), gateCells(x), gateCells(y));
+        h("td", null, U.gateLabel((x || y).name) + gateSubject(x || y)), gateCells(x), gateCells(y));
     }))) : h("p", { class: "empty" }, "No gates recorded.");
   const engine = diffRows("engine", flatten(identity(a), "", {}), flatten(identity(b), "", {}));
   const provenance = diffRows("provenance", flatten(a.provenance || {}, "", {}), flatten(b.provenance || {}, "", {}));

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_the_ladder_climbs_to_the_next_recipe_when_the_first_fails_a_gate(tmp_path):
     tiny = REPO / "examples" / "tiny-llama"
+    # a 128-token context: windows of one length, where the two recipes' KL sit either side of the gate
     code, out, err = kiln_json("build", str(tiny), "--precision", "fp8", "--gate", "max_mean_kl=0.0077",
+                               "--max-input-len", "64", "--max-seq-len", "128", "--max-num-tokens", "128",
                                home=tmp_path / "kiln", checkpoint=tiny)
     assert code == 0, err[-3000:]
     ladder = rungs(out)

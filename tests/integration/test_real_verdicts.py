@@ -7,11 +7,16 @@ starts with ``<bos>``) and the positions covered."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kiln.datasets import load_text
+from tests.conftest import REPO
 from tests.realmodels import gemma3, kiln_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
@@ -27,11 +32,26 @@ def ckpt() -> Path:
 
 
 @pytest.fixture(scope="module")
-def build(ckpt, tmp_path_factory) -> tuple[int, dict, str]:
-    home = tmp_path_factory.mktemp("real-gemma") / "kiln"
-    return kiln_json("build", str(ckpt), "--precision", "fp8", "--recipe", "fp8", "--eval-max-tokens", MAX_TOKENS,
-                     "--max-seq-len", str(PROFILE["max_seq_len"]), "--max-num-tokens", str(PROFILE["max_num_tokens"]),
-                     "--override-reason", "a test: a shorter evaluation", home=home, checkpoint=ckpt)
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("real-gemma") / "kiln"
+
+
+def report(out: dict, ckpt: Path) -> dict:
+    """The engine's validation report (``kiln report --format json``), with every measurement's conditions."""
+    home = Path(out["home"])
+    env = {**os.environ, "KILN_HOME": str(home), "KILN_CHECKPOINT_ROOTS": f"{REPO}{os.pathsep}{ckpt.parent}"}
+    proc = subprocess.run([sys.executable, "-m", "api.cli", "report", out["digest"], "--format", "json"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def build(ckpt, home) -> tuple[int, dict, str]:
+    code, out, err = kiln_json("build", str(ckpt), "--precision", "fp8", "--recipe", "fp8", "--eval-max-tokens",
+                               MAX_TOKENS, "--max-seq-len", str(PROFILE["max_seq_len"]), "--max-num-tokens",
+                               str(PROFILE["max_num_tokens"]), "--override-reason", "a test: a shorter evaluation",
+                               home=home, checkpoint=ckpt)
+    return code, {**out, "home": str(home)}, err
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +71,9 @@ def test_gemma3_fp8_is_published_on_the_default_gates(build):
     assert all(g["passed"] for g in gates)
 
 
-def test_every_window_starts_with_bos_and_the_positions_pass_the_sliding_window(build):
+def test_every_window_starts_with_bos_and_the_positions_pass_the_sliding_window(build, ckpt):
     _, out, err = build
-    acc = out["validation"]["conditions"]["accuracy"]
+    acc = report(out, ckpt)["conditions"]["accuracy"]
     assert acc["text"]["prefix_tokens"] == ["<bos>"] and acc["sliding_window"] == 512
     assert [x["positions"] for x in acc["lengths"]] == [[0, 127], [0, 1023]]  # past the 512-token window
     assert "every window starts with <bos>" in err

@@ -105,7 +105,7 @@ def test_report_html_and_junit_files(home, second, tmp_path):
     suite = ET.parse(junit_path).getroot().find("testsuite")
     cases = suite.findall("testcase")
     judged = [c.get("name") for c in cases if c.find("skipped") is None]
-    assert judged == [g["name"] for g in second["validation"]["gates"]]
+    assert judged == [g["name"] + (f"@{g['seq_len']}" if g.get("seq_len") else "") for g in second["validation"]["gates"]]
     assert {c.get("name") for c in cases if c.find("failure") is not None} == {
         g["name"] for g in second["validation"]["gates"] if not g["passed"]}
 
