@@ -42,3 +42,11 @@ def kiln_json(*args: str, home: Path, checkpoint: Path) -> tuple[int, dict, str]
 
 def rungs(out: dict) -> list[dict]:
     return (out["validation"].get("recipe") or {}).get("ladder") or []
+
+
+def report(digest: str, home: Path, ckpt: Path) -> dict:
+    """``kiln report DIGEST --format json`` in ``home``: the engine's report, with every measurement's conditions."""
+    env = {**os.environ, "KILN_HOME": str(home), "KILN_CHECKPOINT_ROOTS": f"{REPO}{os.pathsep}{ckpt.parent}"}
+    proc = subprocess.run([sys.executable, "-m", "api.cli", "report", digest, "--format", "json"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(proc.stdout)

@@ -6,16 +6,12 @@ interval; and a second build of the same checkpoint (a stricter gate: another Bu
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
-from tests.realmodels import kiln_json, smollm2
+from tests.realmodels import kiln_json, report, smollm2
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
 
@@ -66,13 +62,6 @@ def second(ckpt, home, plain) -> dict:
                                "--eval-task", str(TASK), home=home, checkpoint=ckpt)
     assert code in (0, 1), err[-3000:]
     return out
-
-
-def report(digest: str, home: Path, ckpt: Path) -> dict:
-    env = {**os.environ, "KILN_HOME": str(home), "KILN_CHECKPOINT_ROOTS": f"{REPO}{os.pathsep}{ckpt.parent}"}
-    proc = subprocess.run([sys.executable, "-m", "api.cli", "report", digest, "--format", "json"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120, check=True)
-    return json.loads(proc.stdout)
 
 
 class TestFP8OnSmolLM2:

@@ -7,17 +7,12 @@ starts with ``<bos>``) and the positions covered."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kiln.datasets import load_text
-from tests.conftest import REPO
-from tests.realmodels import gemma3, kiln_json
+from tests.realmodels import gemma3, kiln_json, report
 
 pytestmark = [pytest.mark.slow, pytest.mark.realmodel]
 
@@ -34,15 +29,6 @@ def ckpt() -> Path:
 @pytest.fixture(scope="module")
 def home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("real-gemma") / "kiln"
-
-
-def report(out: dict, ckpt: Path) -> dict:
-    """The engine's validation report (``kiln report --format json``), with every measurement's conditions."""
-    home = Path(out["home"])
-    env = {**os.environ, "KILN_HOME": str(home), "KILN_CHECKPOINT_ROOTS": f"{REPO}{os.pathsep}{ckpt.parent}"}
-    proc = subprocess.run([sys.executable, "-m", "api.cli", "report", out["digest"], "--format", "json"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120, check=True)
-    return json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +59,7 @@ def test_gemma3_fp8_is_published_on_the_default_gates(build):
 
 def test_every_window_starts_with_bos_and_the_positions_pass_the_sliding_window(build, ckpt):
     _, out, err = build
-    acc = report(out, ckpt)["conditions"]["accuracy"]
+    acc = report(out["digest"], Path(out["home"]), ckpt)["conditions"]["accuracy"]
     assert acc["text"]["prefix_tokens"] == ["<bos>"] and acc["sliding_window"] == 512
     assert [x["positions"] for x in acc["lengths"]] == [[0, 127], [0, 1023]]  # past the 512-token window
 
