@@ -15,6 +15,7 @@ from api.output import json_line
 from api.progress import Progress
 from kiln import units
 from kiln.backends import BACKENDS, DEFAULT_BACKEND
+from kiln.runtimes import RUNTIMES
 from kiln.errors import KilnError, SpecError
 from kiln.kvcache import DEFAULT_KV_CACHE, KV_CACHES
 from kiln.sources import ANY_FORMS
@@ -66,6 +67,8 @@ def spec_from_options(checkpoint: str, o: dict) -> dict:
                            "tasks": list(o.get("eval_task") or ()), "sequential": not o.get("eval_all")}}
     if o.get("recipe"):
         spec["recipe"] = o["recipe"]
+    if o.get("runtime"):
+        spec["runtime"] = o["runtime"]
     if o.get("unquantized_layers"):
         spec["unquantized_layers"] = _parse_layers(o["unquantized_layers"])
     if o.get("model_name"):
@@ -173,6 +176,8 @@ def _print_recipe(recipe: dict) -> None:
 @click.option("--max-num-tokens", type=int)
 @click.option("--target", default="cpu", show_default=True, help=f"cpu, {'|'.join(GPU_ARCHS)}, or a GPU name (h100)")
 @click.option("--backend", default=DEFAULT_BACKEND, show_default=True, help=" | ".join(BACKENDS))
+@click.option("--runtime", help=f"with --backend checkpoint: the serving runtime it is for ({' | '.join(RUNTIMES)}); a "
+              "recipe it refuses on the target is refused before any work (kiln models shows what was measured)")
 @click.option("--tp", default=1, show_default=True, type=int, help="tensor-parallel size")
 @click.option("--model-name", help="repository name of the engine (default: from the checkpoint)")
 @click.option("--calib-dataset", default="kiln:calibration", show_default=True)

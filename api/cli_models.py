@@ -48,7 +48,8 @@ def support_table_markdown() -> str:
 
 def recipe_table_markdown() -> str:
     """The recipes (kiln/recipes.py) with their export, backends and the runtimes that load them."""
-    from kiln.recipes import RUNTIMES, recipe_table
+    from kiln.recipes import recipe_table
+    from kiln.runtimes import RUNTIMES, support_table
 
     head = "| recipe | ModelOpt config | quant_algo | activations | in auto's ladder | backends here | " + \
         " | ".join(RUNTIMES) + " |"
@@ -57,6 +58,17 @@ def recipe_table_markdown() -> str:
         rt = " | ".join(f"`{r['runtimes'][k]}`" if r["runtimes"][k] else "no" for k in RUNTIMES)
         lines.append(f"| `{r['recipe']}` | `{r['modelopt_config']}` | `{r['quant_algo']}` | {r['activations']} | "
                      f"{'yes' if r['in_ladder'] else 'no'} | {', '.join(r['backends'])} | {rt} |")
+    lines += ["", "What each runtime does with a recipe's checkpoint (`--runtime`), per kind of target: *serves* and "
+              "*refused* were measured (the runtime ran here), *refused* without a run is the runtime's own rule, "
+              "*unmeasured* means only its sources say it loads:", "",
+              "| recipe | runtime | cpu | gpu |", "|---|---|---|---|"]
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for row in support_table():
+        measured = f" ({row['measured']['version']}, {row['measured']['date']})" if row.get("measured") else ""
+        cells.setdefault((row["recipe"], row["runtime"]), {})[row["target"]] = \
+            f"{row['status']}{measured}: {row['reason']}" if row["status"] != "unmeasured" else "unmeasured"
+    for (recipe, runtime), c in cells.items():
+        lines.append(f"| `{recipe}` | {runtime} | {c['cpu']} | {c['gpu']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -117,6 +129,7 @@ def models(as_json: bool, markdown: bool, server: str | None) -> None:
     from kiln.families import FAMILIES
     from kiln.precisions import PRECISIONS
     from kiln.recipes import recipe_table
+    from kiln.runtimes import RUNTIME_TABLE, support_table
 
     if markdown:
         click.echo(support_table_markdown() + "\n" + recipe_table_markdown(), nl=False)
@@ -126,7 +139,7 @@ def models(as_json: bool, markdown: bool, server: str | None) -> None:
 
         doc = fetch_support(server)
     else:
-        doc = {**local_support(), "recipes": recipe_table()}
+        doc = {**local_support(), "recipes": recipe_table(), "runtime_support": support_table()}
     if as_json:
         click.echo(json.dumps(doc))
         return
@@ -137,6 +150,17 @@ def models(as_json: bool, markdown: bool, server: str | None) -> None:
                    f"builds with {', '.join(r['backends'])}")
     for p in PRECISIONS.values():
         click.echo(f"  {p.name} ladder: {' → '.join(p.ladder)} (default recipe: {p.default_recipe})")
+    if doc.get("runtime_support"):
+        click.echo("runtimes (--runtime, with --backend checkpoint): what was measured, per recipe and kind of target:")
+        for row in doc["runtime_support"]:
+            if not row.get("measured"):
+                continue
+            when = f" [{row['measured']['version']}, {row['measured']['date']}]" if row.get("measured") else ""
+            click.echo(f"  {row['runtime']:<12} {row['recipe']:<15} {row['target']:<4} {row['status']}{when}: "
+                       f"{row['reason']}")
+        click.echo("  every other pair: its runtime's loader takes the recipe's export by its sources (kiln models "
+                   "--markdown), or the runtime does not run there: " + "; ".join(
+                       f"{r.name}: {r.cpu_gap}" for r in RUNTIME_TABLE.values() if r.cpu_gap))
     click.echo("backends:")
     for b in BACKENDS.values():
         click.echo(f"  {b.name:<13} {b.status}")

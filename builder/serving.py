@@ -34,6 +34,7 @@ import yaml
 
 from kiln.kvcache import KV_CACHES
 from kiln.recipes import RECIPES, Recipe
+from kiln.runtimes import RUNTIME_TABLE, RUNTIMES
 from kiln.spec import BuildSpec
 from kiln.toolchain import SERVING_CONFIG_VERSION
 
@@ -41,15 +42,9 @@ SERVING_DIR = "serving"
 MANIFEST = "serving.json"
 FORMAT = f"kiln-serving/{SERVING_CONFIG_VERSION}"
 
-#: runtime name → (documented version, config file name)
-RUNTIMES = {
-    "tensorrt-llm": ("1.2.1", "trtllm-serve.yaml"),
-    "vllm": ("0.19", "vllm.yaml"),
-    "sglang": ("0.5", "sglang.yaml"),
-}
 #: runtime name → how an engine's ``engine.runtime`` annotation names it (TensorRT-LLM loads a checkpoint through
 #: its PyTorch backend)
-ANNOTATION_NAMES = {"tensorrt-llm": "tensorrt-llm-pytorch", "vllm": "vllm", "sglang": "sglang"}
+ANNOTATION_NAMES = {r.name: r.annotation for r in RUNTIME_TABLE.values()}
 
 
 def recipe_of(spec: BuildSpec) -> Recipe:
@@ -117,10 +112,10 @@ def commands(spec: BuildSpec) -> dict[str, list[str]]:
     d = SERVING_DIR
     return {
         "tensorrt-llm": ["trtllm-serve", ".", "--backend", "pytorch", "--host", "0.0.0.0", "--port", "8000",
-                         "--extra_llm_api_options", f"{d}/{RUNTIMES['tensorrt-llm'][1]}"],
-        "vllm": ["vllm", "serve", ".", "--host", "0.0.0.0", "--port", "8000", "--config", f"{d}/{RUNTIMES['vllm'][1]}"],
+                         "--extra_llm_api_options", f"{d}/{RUNTIME_TABLE['tensorrt-llm'].config_file}"],
+        "vllm": ["vllm", "serve", ".", "--host", "0.0.0.0", "--port", "8000", "--config", f"{d}/{RUNTIME_TABLE['vllm'].config_file}"],
         "sglang": ["python3", "-m", "sglang.launch_server", "--host", "0.0.0.0", "--port", "8000",
-                   "--config", f"{d}/{RUNTIMES['sglang'][1]}"],
+                   "--config", f"{d}/{RUNTIME_TABLE['sglang'].config_file}"],
     }
 
 
@@ -128,13 +123,14 @@ def serving_files(spec: BuildSpec) -> dict[str, str]:
     """File name (inside ``serving/``) → text, for every runtime plus the manifest that lists them."""
     makers = {"tensorrt-llm": trtllm_options, "vllm": vllm_options, "sglang": sglang_options}
     served, recipe = served_by(spec), recipe_of(spec)
-    files = {RUNTIMES[r][1]: yaml.safe_dump(makers[r](spec), sort_keys=False) for r in served}
+    files = {RUNTIME_TABLE[r].config_file: yaml.safe_dump(makers[r](spec), sort_keys=False) for r in served}
     argv = commands(spec)
     manifest = {
         "format": FORMAT, "model_name": spec.model_name, "precision": spec.precision, "recipe": recipe.name,
         "quant_algo": recipe.quant_algo, "kv_cache": spec.kv_cache,
         "profile": spec.batch_profile.model_dump(), "target": spec.target,
-        "runtimes": {r: {"documented_version": RUNTIMES[r][0], "config": f"{SERVING_DIR}/{RUNTIMES[r][1]}",
+        "runtimes": {r: {"documented_version": RUNTIME_TABLE[r].documented_version,
+                         "config": f"{SERVING_DIR}/{RUNTIME_TABLE[r].config_file}",
                          "argv": argv[r], "run_in_kiln_ci": False} for r in served},
         "not_served": {r: f"its ModelOpt loader does not take quant_algo {recipe.quant_algo}"
                        for r in RUNTIMES if r not in served},

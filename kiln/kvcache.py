@@ -28,7 +28,7 @@ class KVCache:
     modelopt_config: str | None
     #: what an export's quantization block names it (``kv_cache_quant_algo``; None: not quantized)
     quant_algo: str | None
-    #: serving runtime (kiln/recipes.RUNTIMES) → its name for this cache ("auto": the checkpoint's own dtype)
+    #: serving runtime (kiln/runtimes.RUNTIMES) → its name for this cache ("auto": the checkpoint's own dtype)
     runtimes: dict[str, str]
     #: tensors the quantize stage exports beside the attention projections (read by runtimes with a KV cache)
     scale_suffixes: tuple[str, ...] = ()

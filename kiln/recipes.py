@@ -5,8 +5,8 @@ it is each backend's rule, kiln/backends.py). A precision's ladder (``--recipe a
 the ladder's runner is builder/ladder.py.
 
 The runtime names were read from the runtimes' loaders (docs/validation.md "Recipes" has the table and its
-sources); none of those runtimes runs here. A runtime that does not load a recipe's export gets no serving
-configuration for it (builder/serving.py).
+sources); what a runtime did with a recipe when it ran is kiln/runtimes.py's. A runtime that does not load a
+recipe's export gets no serving configuration for it (builder/serving.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from kiln.backends import BACKENDS
 from kiln.precisions import FORMATS, PRECISIONS, QuantFormat
 
 AUTO = "auto"
-RUNTIMES = ("tensorrt-llm", "vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -84,11 +83,12 @@ def resolved_recipe(precision: str, recipe: str | None) -> str:
 
 
 def recipe_table() -> list[dict]:
-    """Every recipe with its runtimes and backends (``kiln models``, ``GET /v1/models/support``, docs)."""
+    """Every recipe with its runtimes and backends (``kiln models``, ``GET /v1/support``, docs); what each
+    runtime did with it per kind of target is kiln/runtimes.py's ``support_table``."""
     out = []
     for r in RECIPES.values():
         out.append({"recipe": r.name, "precision": r.precision, "title": r.title, "modelopt_config": r.modelopt_config,
                     "quant_algo": r.quant_algo, "activations": r.format.activations, "calibrate_on": r.calibrate_on,
-                    "backends": list(r.backends), "runtimes": {k: r.runtimes.get(k) for k in RUNTIMES},
+                    "backends": list(r.backends), "runtimes": dict(r.runtimes),
                     "in_ladder": r.name in PRECISIONS[r.precision].ladder, "why": r.why})
     return out

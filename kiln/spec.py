@@ -17,6 +17,7 @@ from kiln.families import family_of
 from kiln.kvcache import DEFAULT_KV_CACHE, KV_CACHES, backend_gap, kv_cache_error
 from kiln.precisions import PRECISIONS
 from kiln.recipes import AUTO, RECIPES, ladder, recipes_for, resolved_recipe
+from kiln.runtimes import RUNTIME_TABLE, RUNTIMES, support, target_kind
 from kiln.sources import check_ref, default_model_name
 from kiln.targets import GPU_ARCHS, normalize_target
 
@@ -87,6 +88,9 @@ class BuildSpec(BaseModel):
     profile: BatchProfile | str = "latency"
     target: str = "cpu"
     backend: str = DEFAULT_BACKEND
+    #: the serving runtime a ``checkpoint`` build is for (kiln/runtimes.py): a recipe it refuses on the target is
+    #: refused before any work; None: no runtime named (the artifact carries configurations for each that loads it)
+    runtime: str | None = None
     tp_size: int = 1
     calibration: Calibration = Field(default_factory=Calibration)
     evaluation: Evaluation = Field(default_factory=Evaluation)
@@ -109,7 +113,8 @@ class BuildSpec(BaseModel):
         """The recipes this spec may build, in order: its own, or the rungs of its ladder its backend builds."""
         if self.recipe_name != AUTO:
             return [self.recipe_name]
-        return [r for r in ladder(self.precision) if self.backend in RECIPES[r].backends]
+        return [r for r in ladder(self.precision) if self.backend in RECIPES[r].backends
+                and (self.runtime is None or not support(self.runtime, r, self.target).refused)]
 
     def with_recipe(self, name: str) -> "BuildSpec":
         """This spec with a concrete recipe (a rung of its ladder)."""
@@ -127,6 +132,7 @@ class BuildSpec(BaseModel):
             **({"ladder": list(ladder(self.precision))} if recipe == AUTO else {}),
             "kv_cache": self.kv_cache, "profile": self.batch_profile.limits(),
             "target": self.target, "backend": self.backend, "tp_size": self.tp_size,
+            **({"runtime": self.runtime} if self.runtime else {}),
             # datasets enter keys by content digest (passed separately), never by name or path
             "calibration": self.calibration.model_dump(exclude={"dataset"}),
             "evaluation": self.evaluation.model_dump(exclude={"dataset", "tasks"}),
@@ -159,6 +165,7 @@ def _rules(d: dict[str, Any], roots: list[Path], resolved: dict) -> list[dict]:
     errs += _range_rules(d, prof)
     errs += _target_rules(d)
     errs += _recipe_rules(d)
+    errs += _runtime_rules(d)
     errs += _gate_rules(d)
     if len(d.get("override_reason") or "") > 2000:
         errs.append(_bad("override_reason", "is longer than 2000 characters", "say why in fewer words"))
@@ -326,6 +333,49 @@ def _recipe_rules(d: dict[str, Any]) -> list[dict]:
     elif len(set(layers)) != len(layers):
         errs.append(_bad("unquantized_layers", "lists a layer twice", "list each layer index once"))
     return errs
+
+
+def _runtime_rules(d: dict[str, Any]) -> list[dict]:
+    """A named runtime is one Kiln knows, for a ``checkpoint`` build, and serves the recipe (every rung, for an
+    explicit recipe; at least one, for ``auto``) on the target, as far as it was measured (kiln/runtimes.py)."""
+    name = d.get("runtime")
+    if name is None or d["precision"] not in PRECISIONS or d["backend"] not in BACKENDS:
+        return []
+    if name not in RUNTIMES:
+        return [_bad("runtime", f"{name!r} is not a serving runtime", f"use one of: {', '.join(RUNTIMES)}")]
+    if BACKENDS[d["backend"]].runtime:
+        return [_bad("runtime", f"the {d['backend']} backend's engine loads in "
+                     f"{' / '.join(BACKENDS[d['backend']].runtime)}, not in a serving runtime",
+                     "drop --runtime, or use --backend checkpoint to build a checkpoint for that runtime")]
+    title, target = RUNTIME_TABLE[name].title, d["target"]
+    if target_kind(target) not in RUNTIME_TABLE[name].runs_on:
+        elsewhere = [r.name for r in RUNTIME_TABLE.values() if target_kind(target) in r.runs_on]
+        return [_bad("runtime", f"{RUNTIME_TABLE[name].cpu_gap}, target is {target}",
+                     f"use a GPU target, or --runtime {' / '.join(elsewhere)}")]
+    chosen = resolved_recipe(d["precision"], d.get("recipe"))
+    if chosen != AUTO and chosen not in RECIPES:
+        return []  # already reported
+    rungs = [r for r in (ladder(d["precision"]) if chosen == AUTO else (chosen,)) if d["backend"] in RECIPES[r].backends]
+    verdicts = {r: support(name, r, target) for r in rungs}
+    if any(not s.refused for s in verdicts.values()):
+        return []
+    served = [r.name for r in RECIPES.values() if d["backend"] in r.backends and not support(name, r.name, target).refused]
+    same = [r for r in served if RECIPES[r].precision == d["precision"]]
+    if same:
+        fix = f"use --recipe {' or '.join(same)} ({title} {_serves(name, same[0], target)} on {target}), or --recipe auto"
+    elif served:
+        fix = (f"use --precision {RECIPES[served[0]].precision} --recipe {served[0]} ({title} "
+               f"{_serves(name, served[0], target)} on {target}), or a GPU target")
+    else:
+        fix = "use another target or runtime"
+    if chosen == AUTO:
+        return [_bad("recipe", f"{title} refuses every rung of {d['precision']}'s ladder on {target}: "
+                     + "; ".join(f"{r}: {s.reason}" for r, s in verdicts.items()), fix)]
+    return [_bad("recipe", f"{title} refuses recipe {chosen} on {target}: {verdicts[chosen].reason}", fix)]
+
+
+def _serves(runtime: str, recipe: str, target: str) -> str:
+    return "serves it" if support(runtime, recipe, target).status == "serves" else "loads it, by its sources,"
 
 
 def _target_rules(d: dict[str, Any]) -> list[dict]:

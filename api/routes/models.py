@@ -39,9 +39,10 @@ def support(session: SessionDep):
     row's ``verified``: validated engines in this registry per target (count, latest), what the test suite builds
     (kiln/verified.py) — and the recipes; the document ``kiln models --json`` prints."""
     from kiln.recipes import recipe_table
+    from kiln.runtimes import support_table
     from kiln.verified import support_report
 
-    return {**support_report(session), "recipes": recipe_table()}
+    return {**support_report(session), "recipes": recipe_table(), "runtime_support": support_table()}
 
 
 @router.put("/v1/models/{model:path}")

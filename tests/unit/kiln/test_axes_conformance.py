@@ -15,7 +15,8 @@ from kiln.errors import SpecError
 from kiln.families import FAMILIES
 from kiln.kvcache import DEFAULT_KV_CACHE, KV_CACHES, KV_SCALE_SUFFIXES, backend_gap, kv_cache_error
 from kiln.precisions import FORMATS, PRECISIONS
-from kiln.recipes import AUTO, RECIPES, RUNTIMES, recipes_for
+from kiln.recipes import AUTO, RECIPES, recipes_for
+from kiln.runtimes import RUNTIMES
 from kiln.spec import GATE_NAMES, parse_spec
 from kiln.targets import CPU, FLOOR_SM, TARGETS, normalize_target
 from kiln.toolchain import READERS, toolchain_for

@@ -11,7 +11,8 @@ from kiln.backends import BACKENDS
 from kiln.errors import SpecError
 from kiln.keys import build_key, quantize_key
 from kiln.precisions import FORMATS, PRECISIONS
-from kiln.recipes import AUTO, RECIPES, RUNTIMES, recipe_table, recipes_for
+from kiln.recipes import AUTO, RECIPES, recipe_table, recipes_for
+from kiln.runtimes import RUNTIMES
 from kiln.spec import check_model, parse_spec
 
 REPO = Path(__file__).resolve().parents[3]
