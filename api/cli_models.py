@@ -34,7 +34,8 @@ def support_table_markdown() -> str:
             elif suite is not None:
                 mark = "yes" if suite["default"] else "opt-in"
             else:
-                mark = "planned" if BACKENDS[b].status.startswith("planned") else "untested"
+                mark = BACKENDS[b].status.split(":")[0] if BACKENDS[b].status.startswith(("planned", "legacy")) \
+                    else "untested"
             if r["reason"]:
                 mark += f" [{notes.setdefault(r['reason'], len(notes) + 1)}]"
             cells.append(mark)

@@ -76,10 +76,12 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             "builder.backends.checkpoint:CheckpointBackend", "validation.runners:CheckpointRunner",
             gpu_only=False, tensor_parallel=False, kv_cache_quant=True, toolchain=("kiln_serving",),
             status="runs here (validated on CPU from its own tensors)", runtime=()),
-    Backend("trtllm-engine", "TensorRT-LLM 1.2.x engine (trtllm-build)", "trtllm",
+    Backend("trtllm-engine", "TensorRT-LLM 1.2.x engine (trtllm-build; legacy)", "trtllm",
             "builder.backends.trtllm:TRTLLMBackend", "validation.runners:TRTLLMRunner",
             gpu_only=True, tensor_parallel=True, kv_cache_quant=True, toolchain=("tensorrt_llm", "tensorrt", "cuda"),
-            status="planned: written against TensorRT-LLM 1.2.x, never run (no TensorRT-LLM or GPU here)",
+            status="legacy: TensorRT-LLM 1.2.x engines only (TensorRT-LLM removed trtllm-build in July 2026; from 1.3 "
+                   "its PyTorch backend serves the checkpoint backend's artifact: --backend checkpoint --runtime "
+                   "tensorrt-llm); written against 1.2.x, never run (no TensorRT-LLM or GPU here)",
             runtime=("tensorrt_llm", "tensorrt"), worker_needs=("tensorrt_llm",), versioned_queues=True,
             # trtllm-build takes ModelOpt's TensorRT-LLM checkpoint of a whole-model FP8 or NVFP4 recipe only
             recipes=("fp8", "nvfp4")),

@@ -113,7 +113,7 @@ def test_markdown_marks_what_the_suite_runs():
         row = [c.strip() for c in next(ln for ln in lines if ln.startswith(f"| {family} ")).split("|")]
         return [row[i] for i in columns]
 
-    assert cells("Llama") == ["yes", "yes", "yes", "yes", "planned", "planned [1]"]
-    assert cells("Mistral") == ["yes", "opt-in", "yes", "yes", "planned", "planned [1]"]
+    assert cells("Llama") == ["yes", "yes", "yes", "yes", "legacy", "legacy [1]"]
+    assert cells("Mistral") == ["yes", "opt-in", "yes", "yes", "legacy", "legacy [1]"]
     assert cells("Qwen3-MoE") == ["yes", "yes", "yes", "untested", "no [2]", "no [2]"]
 
