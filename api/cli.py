@@ -119,6 +119,10 @@ def _print_summary(out: dict) -> None:
         if text.get("prefix_tokens"):
             click.echo(f"  every window starts with {' '.join(text['prefix_tokens'])}, as the tokenizer starts a text "
                        "(not scored)")
+        runtime = (v.get("conditions") or {}).get("runtime") or {}
+        if runtime.get("serves_on"):
+            click.echo(f"  computed by {runtime['computed_by']}, for {runtime['serves_on']}"
+                       + (f": {runtime['note']}" if runtime.get("note") else ""))
         for t in m.get("tasks") or []:
             iv = t["interval"]
             click.echo(f"  task {t['task']}: engine {units.fraction(t['engine_accuracy'])} vs reference "

@@ -77,8 +77,18 @@ class BuildOutcome:
                                "recipe": self.validation.get("recipe"),
                                # whether this build computed the unquantized reference's results or reused them
                                "reference": ((self.validation.get("conditions") or {}).get("accuracy") or {})
-                               .get("reference_cache")},
+                               .get("reference_cache"),
+                               # what the summary reads of the conditions: what computed the numbers, and the text
+                               # convention every window followed
+                               "conditions": _summary_conditions(self.validation.get("conditions") or {})},
                 "artifact": self.artifact}
+
+
+def _summary_conditions(cond: dict) -> dict:
+    out = {k: cond[k] for k in ("runtime",) if k in cond}
+    if (text := (cond.get("accuracy") or {}).get("text")) is not None:
+        out["accuracy"] = {"text": text}
+    return out
 
 
 @dataclass

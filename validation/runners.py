@@ -25,6 +25,8 @@ from kiln.errors import StageFailed, ToolchainMissing
 class Runner(Protocol):
     device: str
     kv_cache: bool
+    #: what computed its numbers, as the report names it (``conditions.runtime``)
+    runtime: str
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[batch, seq] int64 → the engine's own output, as a deployer gets it: [batch, seq, vocab] logits in the
@@ -40,6 +42,7 @@ class AOTInductorRunner:
     name) through ``load_constants``. An engine without a weights file holds them inside its ``.so``."""
 
     kv_cache = False
+    runtime = "torch (AOTInductor package)"
 
     def __init__(self, engine_dir: Path):
         meta = json.loads((engine_dir / "engine.json").read_text())
@@ -185,6 +188,7 @@ class CheckpointRunner:
     with transformers' KV cache (the emulated quantization applies to every step's linears alike)."""
 
     kv_cache = True
+    runtime = "kiln (transformers over the checkpoint's dequantized tensors)"
 
     def __init__(self, checkpoint_dir: Path, dtype: torch.dtype = torch.float32):
         from kiln.hfmodel import LogitsOnly, load_engine_model
@@ -221,6 +225,7 @@ class TransformersRunner:
     """The unquantized reference, exactly as transformers computes it (in ``dtype``; logits in float32)."""
 
     kv_cache = True
+    runtime = "transformers"
 
     def __init__(self, checkpoint_dir: Path, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
@@ -277,6 +282,7 @@ class TRTLLMRunner:
     profile and parse its report (``throughput_with_trtllm_bench``)."""
 
     kv_cache = True
+    runtime = "tensorrt-llm (engine)"
     device = "cuda"
     END_ID = -1  # no end-of-sequence token: exactly the requested tokens are generated (trtllm-bench's default)
     BENCH_OUTPUT_TOKENS = 64

