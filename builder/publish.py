@@ -5,8 +5,9 @@ an engine only through the index row, written last)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -46,6 +47,41 @@ def _public_ref(ref: str) -> str:
     """The checkpoint reference an engine's annotations show: a local checkpoint's folder name alone
     (``file:tiny``), never the worker's absolute path; other references as given."""
     return f"file:{local_path(ref).name}" if source_of(ref) is LOCAL else ref
+
+
+def public_paths(spec: BuildSpec) -> dict[str, str]:
+    """The absolute local paths a spec names — a local checkpoint, dataset and task files — each with the form an
+    engine's published records show instead (``file:<name>``, as :func:`_public_ref`): what identifies them is
+    their content digest, recorded beside them, not where they lay on the worker."""
+    out = {}
+    if source_of(spec.checkpoint) is LOCAL:
+        out[str(local_path(spec.checkpoint))] = _public_ref(spec.checkpoint)
+    for name in (spec.calibration.dataset, spec.evaluation.dataset, *spec.evaluation.tasks):
+        if name.startswith("/") or name.startswith("file://"):
+            path = local_path(name)
+            out[str(path)] = out.get(str(path)) or f"file:{path.name}"
+            if name.rstrip("/") != str(path):  # as given (not resolved) too: the spec records it so
+                out[name.removeprefix("file://").rstrip("/")] = f"file:{path.name}"
+    return out
+
+
+def without_paths(doc: Any, paths: dict[str, str]) -> Any:
+    """``doc`` (JSON-like) with every occurrence of each path of :func:`public_paths` — alone, as ``file://…`` or
+    as the folder of a longer path — replaced by its public form, in every string, keys included."""
+    if not paths:
+        return doc
+    pattern = re.compile("(?:file://)?(" + "|".join(re.escape(p) for p in sorted(paths, key=len, reverse=True))
+                         + r")(?![^/\s\"',;:)\]}])")
+
+    def scrub(value: Any) -> Any:
+        if isinstance(value, str):
+            return pattern.sub(lambda m: paths[m[1]], value)
+        if isinstance(value, dict):
+            return {scrub(k): scrub(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [scrub(v) for v in value]
+        return value
+    return scrub(doc)
 
 
 def runtime_for(spec: BuildSpec, toolchain: dict) -> str:
@@ -119,6 +155,9 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
     repository = cast(str, spec.model_name)  # parse_spec sets it: the checkpoint's name unless the spec names one
     passed = bool(validation.get("passed"))
     annotations = annotations_for(spec, build_key, provenance, passed)
+    # what the published records show of the worker's files: their names and digests, never their absolute paths
+    paths = public_paths(spec)
+    provenance, validation = without_paths(provenance, paths), without_paths(validation, paths)
     labels = {k: v for k, v in annotations.items() if k.startswith(ANNOTATION_PREFIX)}
     image = push_engine_image(store, engine_dir, annotations=annotations, labels=labels, layer_survey=layer_survey)
     payload = json.dumps({"provenance": provenance, "validation": validation}, sort_keys=True, indent=1).encode()
@@ -138,7 +177,7 @@ def publish(store: BlobStore, sessions: sessionmaker[Session], engine_dir: Path,
     row = Artifact(
         digest=image.digest, build_key=build_key, request_key=request_key, repository=repository, tag=tag_for(spec),
         precision=spec.precision, target=spec.target,
-        profile=spec.batch_profile.name, backend=spec.backend, checkpoint_ref=spec.checkpoint,
+        profile=spec.batch_profile.name, backend=spec.backend, checkpoint_ref=_public_ref(spec.checkpoint),
         checkpoint_digest=provenance["checkpoint"]["digest"], checkpoint_revision=provenance["checkpoint"]["revision"],
         size=image.size + sum(layer.size for layer in image.layers), provenance=provenance, validation=validation,
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from builder.pipeline import evaluation_tasks
 from builder.resolve import latest_revision
 from kiln.errors import SpecError
 from kiln.tables import Artifact, ModelEvent, Tag, TrackedModel, utcnow
@@ -20,6 +21,7 @@ from kiln.settings import Settings
 from kiln.sources import TRACKED, tracked_parts
 from kiln.spec import MODEL_NAME_RE, parse_spec
 from kiln.states import move_artifact, remove_tag
+from validation.taskfile import TaskPolicy
 from workers.submit import Enqueue, Submitted, check_strictness, submit
 
 MATRIX_FIELDS = {"precision", "profile", "target", "backend", "kv_cache", "tp_size", "calibration", "evaluation", "gates",
@@ -92,7 +94,7 @@ def register_model(settings: Settings, sessions: sessionmaker[Session], name: st
     if reason is not None and (not isinstance(reason, str) or len(reason) > 2000):
         raise SpecError("must be a string of at most 2000 characters", field="override_reason",
                         fix="say why the matrix may judge engines more leniently than the one it replaces")
-    specs = []
+    specs, policy = [], TaskPolicy.of(settings)
     for i, entry in enumerate(matrix):
         extra = set(entry) - MATRIX_FIELDS if isinstance(entry, dict) else {"(not an object)"}
         if extra:
@@ -102,6 +104,7 @@ def register_model(settings: Settings, sessions: sessionmaker[Session], name: st
         try:  # the same rules a build applies, checked now (a placeholder sha: only the shape matters here)
             specs.append(parse_spec({**entry, "model_name": name, "checkpoint": TRACKED.format(repo, "0" * 40),
                                      "gates": {**gates, **entry.get("gates", {})}}, settings.roots))
+            evaluation_tasks(specs[-1], policy)  # its task files, as data (a refused one must store nothing)
         except SpecError as exc:
             raise SpecError(exc.message, field=f"matrix.{i}.{exc.field}", fix=exc.fix) from None
     reason = (reason or "").strip() or None

@@ -510,6 +510,85 @@ def test_every_kiln_container_refuses_the_shipped_placeholders(rendered, monkeyp
     assert {"api", "worker-cpu", "worker-gpu", "migrate"} <= seen
 
 
+def full_env(objs: list[dict], c: dict) -> dict[str, str]:
+    """:func:`env_of` plus the ``valueFrom`` entries (a Secret's or ConfigMap's key), resolved."""
+    sources = {(d["kind"], d["metadata"]["name"]): {**(d.get("data") or {}), **(d.get("stringData") or {})}
+               for d in objs if d["kind"] in ("ConfigMap", "Secret")}
+    env = env_of(objs, c)
+    for e in c.get("env", []):
+        for kind, ref in (("Secret", "secretKeyRef"), ("ConfigMap", "configMapKeyRef")):
+            if ref in e.get("valueFrom", {}):
+                key = e["valueFrom"][ref]
+                env[e["name"]] = str(sources[(kind, key["name"])][key["key"]])
+    return env
+
+
+def run_shipped(c: dict, env: dict[str, str]):
+    """A container's command and args exactly as shipped, run here (its image's /bin/sh is a POSIX shell too)."""
+    import subprocess
+
+    assert c["command"][0] == "/bin/sh", c["name"]
+    return subprocess.run(["/bin/sh", *c["command"][1:], *c.get("args", [])], env={"PATH": "/usr/bin:/bin", **env},
+                          capture_output=True, text=True, timeout=10)
+
+
+def test_no_backend_pod_starts_with_a_placeholder(rendered):
+    """The in-cluster overlay's PostgreSQL and MinIO (third-party images, which know nothing of Kiln's placeholder
+    rule) started with its REPLACE-ME passwords. Every pod with a container that is not Kiln's (Kiln's refuse a
+    placeholder when reading their settings) and is given a placeholder has an initContainer that refuses it: its
+    command, run here as shipped, exits non-zero with one line naming the Secret and key for the shipped value and
+    the other spellings Kiln refuses, and exits 0 saying nothing for a real password."""
+    import secrets
+
+    from kiln.settings import is_placeholder
+
+    guarded = set()
+    for d in rendered:
+        pod = pod_spec(d)
+        for c in pod["containers"] if pod else []:
+            if c["image"].split(":")[0] in KILN_IMAGES:
+                continue
+            for key, value in full_env(rendered, c).items():
+                if not is_placeholder(value):
+                    continue
+                checks = [(i, k) for i in pod.get("initContainers", []) for k, v in full_env(rendered, i).items()
+                          if v == value]  # an initContainer given the same value (the same Secret's key)
+                assert checks, f"{d['metadata']['name']}: {c['name']} starts with {key}={value} (a placeholder)"
+                for i, k in checks:
+                    secret = next(e["valueFrom"]["secretKeyRef"] for e in i["env"] if e["name"] == k)
+                    for bad in (value, "", "replace_me", "Replace Me 2", "x-REPLACEME-x", "kiln-minio-secret"):
+                        r = run_shipped(i, {k: bad})
+                        assert r.returncode != 0, (d["metadata"]["name"], bad)
+                        assert r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+                        assert f"Secret {secret['name']} key {secret['key']}" in r.stderr, r.stderr
+                        assert "openssl rand" in r.stderr, r.stderr
+                    r = run_shipped(i, {k: secrets.token_hex(32)})
+                    assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), (d["metadata"]["name"], r.stderr)
+                guarded.add(d["metadata"]["name"])
+    if any(d["kind"] == "StatefulSet" for d in rendered):  # the in-cluster overlay
+        assert guarded == {"kiln-postgres", "kiln-redis", "kiln-minio", "kiln-minio-init"}
+
+
+def test_in_cluster_backends_require_the_passwords_kilns_urls_carry(rendered):
+    """Redis ran without a password. Each in-cluster backend now requires the password of its Secret, and Kiln's
+    URLs in kiln-backends carry that same value (the operator changes both: docs/deploy.md)."""
+    from urllib.parse import urlsplit
+
+    if not any(d["kind"] == "StatefulSet" for d in rendered):
+        pytest.skip("the base uses managed backends")
+    kiln = next(d for d in rendered if d["kind"] == "Secret" and d["metadata"]["name"] == "kiln-backends")["stringData"]
+    redis = workload(rendered, "kiln-redis")["spec"]["template"]["spec"]["containers"][0]
+    env = full_env(rendered, redis)
+    args = redis["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"  # expanded by the kubelet from env
+    assert env["REDISCLI_AUTH"] == env["REDIS_PASSWORD"] == urlsplit(kiln["KILN_BROKER_URL"]).password
+    postgres = full_env(rendered, workload(rendered, "kiln-postgres")["spec"]["template"]["spec"]["containers"][0])
+    assert postgres["POSTGRES_PASSWORD"] == urlsplit(kiln["KILN_DATABASE_URL"]).password
+    minio = full_env(rendered, workload(rendered, "kiln-minio")["spec"]["template"]["spec"]["containers"][0])
+    assert (minio["MINIO_ROOT_USER"], minio["MINIO_ROOT_PASSWORD"]) == (kiln["AWS_ACCESS_KEY_ID"],
+                                                                        kiln["AWS_SECRET_ACCESS_KEY"])
+
+
 def test_only_workers_hold_the_private_signing_key(rendered):
     """API pods held the signing key (a private key); they get its public half (kiln-trusted-keys), as the admission
     webhook always did. Workers, which sign, get the private key."""

@@ -96,6 +96,26 @@ def test_registration_takes_64_entries_and_a_255_character_name(env, hub):
     assert out.model.name == name and len(out.model.matrix) == 64
 
 
+def test_a_refused_task_file_in_an_entry_stores_nothing_and_replaces_nothing(env, hub, tmp_path):
+    """A matrix entry's task file is checked (as data) before the registration is written: answering 422 after
+    storing the matrix left a tracked model whose every refresh failed on the refused file."""
+    from tests.hostile_tasks import function_in_folder, layout, metric_script
+
+    settings, sessions, broker = env
+    register_model(settings, sessions, NAME, body(ENTRY), broker)
+    sent = len(broker.sent)
+    for attack in (function_in_folder, metric_script):
+        task = attack(layout(tmp_path / attack.__name__))
+        hostile = {**ENTRY, "profile": "balanced", "evaluation": {"tasks": [str(task)]}}
+        with pytest.raises(SpecError) as err:
+            register_model(settings, sessions, NAME, body(ENTRY, hostile), broker)
+        assert err.value.field == "matrix.1.evaluation.tasks" and "task file t.yaml" in err.value.message
+        with sessions() as s:
+            assert s.get(TrackedModel, NAME).matrix == [ENTRY]
+        assert len(broker.sent) == sent and len(builds(sessions)) == 1
+    assert not (tmp_path / "function_in_folder" / "marker").exists()
+
+
 def test_registration_tracks_the_head_and_builds_the_matrix_for_that_commit(env, hub):
     settings, sessions, broker = env
     second = {**ENTRY, "profile": "balanced", "gates": {"max_mean_kl": 0.04}}
