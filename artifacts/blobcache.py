@@ -103,15 +103,18 @@ class BlobCache:
 
     def evict(self) -> list[str]:
         """Remove least recently used blobs until the rest fit ``max_bytes`` (and stale uploads); their digests."""
-        now = time.time()
-        for up in self.uploads.iterdir():
+        now, entries = time.time(), []
+        try:  # a folder gone or unreadable leaves nothing to evict; it never fails the pull that called this
+            uploads, blobs = list(self.uploads.iterdir()), list(self.blobs.iterdir())
+        except OSError:
+            return []
+        for up in uploads:
             try:
                 if now - up.stat().st_mtime > STALE_UPLOAD_S:
                     up.unlink()
             except OSError:
                 pass
-        entries = []
-        for blob in self.blobs.iterdir():
+        for blob in blobs:
             try:
                 st = blob.lstat()
             except OSError:
@@ -123,7 +126,10 @@ class BlobCache:
         for _, size, blob in entries:
             if total <= self.max_bytes:
                 break
-            blob.unlink(missing_ok=True)
+            try:
+                blob.unlink(missing_ok=True)
+            except OSError:
+                continue
             total -= size
             removed.append(f"sha256:{blob.name}")
         return removed
