@@ -360,16 +360,22 @@ def artifacts_show(digest: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (digest, repository, status, dest)")
 @click.option("--verify-key", help="public key (PEM file): write nothing unless the engine's files and signed "
                                    "provenance verify with it")
-def pull(ref: str, dest: Path, server: str | None, as_json: bool, verify_key: str | None) -> None:
+@click.option("--no-cache", is_flag=True, help="with --server: download every layer, keep none in the local blob "
+                                               "cache (KILN_PULL_CACHE_DIR)")
+def pull(ref: str, dest: Path, server: str | None, as_json: bool, verify_key: str | None, no_cache: bool) -> None:
     """Pull engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag) into DEST, verifying every blob against its digest; its signature
-    is written beside the files as DEST/model.sig (model_signing verify key checks it offline)."""
+    is written beside the files as DEST/model.sig (model_signing verify key checks it offline). With --server, layers
+    already in the local blob cache (a fine-tune's kernel, say) are checked there and not downloaded again."""
     from artifacts.verify import keys_from
 
     keys = keys_from(verify_key) if verify_key else None  # a bad key file is refused before any download
+    if no_cache and not server:
+        raise SpecError("--no-cache applies to pulls from a server only", field="no_cache",
+                        fix="drop --no-cache (a local pull copies from the store), or add --server")
     if server:
         from api.pull import pull_remote
 
-        got = pull_remote(server, ref, dest, verify_keys=keys)
+        got = pull_remote(server, ref, dest, verify_keys=keys, cache=not no_cache)
         note = ""
         if got.status not in (None, "fresh"):
             note = f" (warning: this engine is {got.status})"
@@ -378,11 +384,15 @@ def pull(ref: str, dest: Path, server: str | None, as_json: bool, verify_key: st
         if as_json:
             click.echo(json.dumps({"digest": got.digest, "repository": got.repository, "status": got.status,
                                    "dest": str(dest), "server": server, "signed": got.signed,
-                                   "verified_key": got.verified_key}, sort_keys=True))
+                                   "verified_key": got.verified_key, "layers": got.layers, "size": got.size,
+                                   "layers_cached": list(got.cached), "transferred": got.transferred},
+                                  sort_keys=True))
             return
         signed = f"; verified, signed by {got.verified_key}" if got.verified_key else (
             "" if got.signed else "; unsigned: no model.sig")
-        click.echo(f"pulled {got.repository}@{got.digest} from {server} into {dest}{note}{signed}")
+        reuse = f"{len(got.cached)} of {got.layers} layers already here, " if got.cached else ""
+        click.echo(f"pulled {got.repository}@{got.digest} from {server} into {dest}{note}{signed}; "
+                   f"{reuse}{units.bytes_iec(got.transferred)} transferred")
         return
     from artifacts.verify import pull_local
 

@@ -14,6 +14,12 @@ its download, a blob is never read past its descriptor's size, a ``Content-Encod
 inflated, and a sparse tar member is refused rather than expanded. The engine's signature bundle (a referrer) is
 written beside the files as ``model.sig``; with verify keys, nothing is written unless the files and the signed
 provenance verify (:mod:`artifacts.verify`).
+
+Layers go through a local content-addressed blob cache (:mod:`artifacts.blobcache`, ``KILN_PULL_CACHE_DIR``,
+default ``<KILN_HOME>/cache/blobs``): a layer already there is re-hashed and used, only the others are downloaded
+(into the cache, renamed into place once verified). Two fine-tunes built on one kernel share the kernel layer's
+digest, so pulling the second downloads its weights and the small engine layer only. ``KILN_PULL_MAX_BYTES`` still
+bounds every layer, cached or not; the cache itself is bounded by ``KILN_PULL_CACHE_MAX_BYTES``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any, BinaryIO
 
 import httpx
 
+from artifacts.blobcache import BlobCache
 from artifacts.oci import MEDIA_TYPE_IMAGE_LAYER, MEDIA_TYPE_IMAGE_MANIFEST
 from artifacts.signing import BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE, SIGNATURE_FILE
 from artifacts.tarball import unpack_tar
@@ -59,6 +66,8 @@ class Pulled:
     size: int  # bytes of the layers
     signed: bool = False  # a model.sig was written beside the files
     verified_key: str | None = None  # with verify keys: the fingerprint of the key that verified the engine
+    cached: tuple[str, ...] = ()  # digests of the layers taken from the local blob cache, not downloaded
+    transferred: int = 0  # bytes of the layers downloaded (size minus what the cache held)
 
 
 def split_ref(ref: str) -> tuple[str | None, str]:
@@ -213,11 +222,12 @@ def _get_config(client: httpx.Client, name: str, manifest: dict[str, Any]) -> di
 
 def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | None = None,
                 timeout: float = 60, max_bytes: int | None = None,
-                verify_keys: dict[str, bytes] | None = None) -> Pulled:
+                verify_keys: dict[str, bytes] | None = None, cache: BlobCache | bool = True) -> Pulled:
     """Pull engine ``ref`` (``model@sha256:…``, or a bare digest the server's /v1 API can place) from the Kiln at
     ``server`` into ``dest``, which must not exist. ``max_bytes`` bounds the layers together (default
     ``KILN_PULL_MAX_BYTES``). With ``verify_keys`` (fingerprint → public PEM) nothing is written unless the engine's
-    files and provenance verify with one of them. ``client`` replaces the HTTP client (tests)."""
+    files and provenance verify with one of them. ``cache``: True for the settings' blob cache, False for none
+    (every layer downloaded, nothing kept), or a :class:`BlobCache`. ``client`` replaces the HTTP client (tests)."""
     if client is None:  # a wrong --server is named before anything else
         from api.remote import server_root
 
@@ -226,10 +236,13 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
     if dest.exists() or dest.is_symlink():
         raise e.SpecError(f"{dest} already exists", field="dest", fix="give a path that does not exist yet")
     name, digest = split_ref(ref)
-    if max_bytes is None:
+    if max_bytes is None or cache is True:
         from kiln.settings import get_settings
 
-        max_bytes = get_settings().pull_max_bytes
+        settings = get_settings()
+        max_bytes = settings.pull_max_bytes if max_bytes is None else max_bytes
+        if cache is True:  # an unwritable cache folder is named before anything is downloaded
+            cache = BlobCache(settings.blob_cache_dir, settings.pull_cache_max_bytes)
     own = client is None
     if client is None:
         # KILN_TOKEN as for `kiln build --server`; httpx drops it when a blob redirects to another host (presigned)
@@ -238,7 +251,8 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
                               headers=headers, follow_redirects=True)
     try:
         try:
-            return _pull(client, name or _repository_of(client, digest), digest, dest, max_bytes, verify_keys)
+            return _pull(client, name or _repository_of(client, digest), digest, dest, max_bytes, verify_keys,
+                         cache if isinstance(cache, BlobCache) else None)
         except httpx.HTTPError as exc:
             raise e.StorageUnavailable(f"cannot pull from {server}: {exc}",
                                        fix="check --server and that kiln api runs") from None
@@ -267,8 +281,26 @@ def get_signatures(client: httpx.Client, name: str, digest: str) -> tuple[list[b
     return out[BUNDLE_TYPE], out[IN_TOTO_PAYLOAD_TYPE]
 
 
+def _layer(client: httpx.Client, name: str, digest: str, size: int, cache: BlobCache | None,
+           downloads: Path) -> tuple[BinaryIO, bool]:
+    """Layer ``digest`` open for reading, verified: (the file, whether it came from the cache). A layer not in the
+    cache is downloaded into it (or, with no cache or one too small for it, into ``downloads``)."""
+    if cache is not None and (f := cache.open(digest, size)) is not None:
+        return f, True
+    if cache is not None and cache.fits(size):
+        return cache.add(digest, lambda out: download(client, name, digest, size, out)), False
+    f = tempfile.TemporaryFile(dir=downloads)
+    try:
+        download(client, name, digest, size, f)
+        f.seek(0)
+    except BaseException:
+        f.close()
+        raise
+    return f, False
+
+
 def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: int,
-          verify_keys: dict[str, bytes] | None = None) -> Pulled:
+          verify_keys: dict[str, bytes] | None = None, cache: BlobCache | None = None) -> Pulled:
     manifest, _, status = get_manifest(client, name, digest)
     layers = manifest.get("layers")
     if not isinstance(layers, list) or not layers:
@@ -285,19 +317,24 @@ def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: i
         raise e.DigestMismatch(f"{digest}: config rootfs.diff_ids do not match the layers")
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.pull-", dir=dest.parent))
+    cached: list[str] = []
+    transferred = 0
     try:
         with tempfile.TemporaryDirectory(prefix=f".{dest.name}.layers-", dir=dest.parent) as downloads:
-            for i, (layer_digest, size) in enumerate(described):
-                path = Path(downloads) / f"layer{i}.tar"
-                with open(path, "wb") as out:
-                    download(client, name, layer_digest, size, out)
+            for layer_digest, size in described:
+                f, hit = _layer(client, name, layer_digest, size, cache, Path(downloads))
+                if hit:
+                    cached.append(layer_digest)
+                else:
+                    transferred += size
                 try:
-                    with open(path, "rb") as f:
+                    with f:
                         unpack_tar(f, staging)
                 except (tarfile.TarError, ValueError) as exc:
+                    if cache is not None:  # what no pull may unpack is not kept either
+                        cache.path(layer_digest).unlink(missing_ok=True)
                     raise UnsafeLayer(f"layer {layer_digest} is verified but not a safe engine archive: "
                                       f"{exc}") from None
-                path.unlink()
         bundle: bytes | None
         if verify_keys is not None:
             try:
@@ -321,4 +358,7 @@ def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: i
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Pulled(name, digest, status, dest, len(layers), total, bundle is not None, key)
+    finally:
+        if cache is not None:
+            cache.evict()
+    return Pulled(name, digest, status, dest, len(layers), total, bundle is not None, key, tuple(cached), transferred)

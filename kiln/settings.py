@@ -81,6 +81,11 @@ class Settings(BaseSettings):
     # `kiln pull --server`: the most bytes an engine's layers may declare together (a hostile server is refused
     # before anything is downloaded)
     pull_max_bytes: int = Field(default=256 << 30, gt=0)
+    # `kiln pull --server` keeps the layers it downloads in a content-addressed blob cache (api/pull.py), so a
+    # fine-tune whose kernel layer is already here downloads only its weights. Default: <cache_dir>/blobs.
+    # Least recently used blobs are removed past pull_cache_max_bytes (0: nothing is kept).
+    pull_cache_dir: Path | None = None
+    pull_cache_max_bytes: int = Field(default=100 << 30, ge=0)
     # Signing: an ECDSA P-256 private key as PEM text or a PEM file's path; default: generated under home/keys.
     signing_key: str | None = None
     # Keys that verify besides the signing key (rotation): PEM text, or PEM files separated by os.pathsep.
@@ -161,6 +166,11 @@ class Settings(BaseSettings):
         """Local stage cache: quantized checkpoints and compiled engines by stage key, a bounded copy of the
         stage outputs in the store (builder/stagecache.py); also resolve's memos and S3 checkpoint downloads."""
         return self.home_dir / "cache"
+
+    @property
+    def blob_cache_dir(self) -> Path:
+        """`kiln pull --server`'s blob cache: layers by digest (``blobs/sha256/<hex>``, as a store lays them out)."""
+        return _expand(self.pull_cache_dir) if self.pull_cache_dir else self.cache_dir / "blobs"
 
     @property
     def buckets(self) -> list[str]:

@@ -322,12 +322,16 @@ def test_kiln_pull_refuses_a_corrupted_blob_and_writes_nothing(reg, tmp_path):
     damaged = bytearray(original)
     damaged[len(damaged) // 2] ^= 0xFF
     path.write_bytes(bytes(damaged))
+    cache = tmp_path / "cache"  # a cache of its own: the module's pulls above keep the good layer in KILN_HOME's
+    reg.env["KILN_PULL_CACHE_DIR"] = str(cache)
     try:
         out = tmp_path / "out"
         out.mkdir()
         r = reg.kiln("pull", f"{REPO}@{reg.digest}", str(out / "engine"), "--server", reg.url)
         assert r.returncode == 3, (r.stdout, r.stderr)
         assert "corrupted" in r.stderr and list(out.iterdir()) == []
+        assert list((cache / "blobs" / "sha256").iterdir()) == list((cache / "uploads").iterdir()) == []
     finally:
+        reg.env.pop("KILN_PULL_CACHE_DIR")
         path.write_bytes(original)
         path.chmod(mode)
