@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from builder.backends.base import Backend
+from builder.backends.base import CompileStep
 from kiln.backends import BACKENDS
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str) -> CompileStep:
     return BACKENDS[name].load("compiler")()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from builder.backends.base import Backend, Kernels
+from builder.backends.base import CompileStep, Kernels
 from kiln.digests import sha256_file
 from kiln.errors import StageFailed
 from kiln.hfmodel import LogitsOnly, load_engine_model, tabulate_rotary
@@ -181,7 +181,7 @@ def kernel_weights(exported, manifest: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-class AOTInductorBackend(Backend):
+class AOTInductorBackend(CompileStep):
     name = "aot-inductor"
 
     def compute_dtype(self, spec: BuildSpec, quantized_dir: Path) -> torch.dtype:

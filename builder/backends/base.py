@@ -37,7 +37,9 @@ class Kernels:
         return cls(lambda config, quantization, code: kernel_key(config, quantization, spec, toolchain, code), get)
 
 
-class Backend(abc.ABC):
+class CompileStep(abc.ABC):
+    """A backend's compile step (its descriptor, with the rest of what the backend is, is kiln/backends.py's
+    ``Backend``)."""
     name: str
 
     @property

@@ -8,14 +8,14 @@ import json
 import shutil
 from pathlib import Path
 
-from builder.backends.base import Backend, Kernels
+from builder.backends.base import CompileStep, Kernels
 from builder.serving import write_serving_configs
 from kiln.spec import BuildSpec
 
 ENGINE_FORMAT = "kiln-hf-checkpoint/1"
 
 
-class CheckpointBackend(Backend):
+class CheckpointBackend(CompileStep):
     name = "checkpoint"
 
     def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:

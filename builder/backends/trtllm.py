@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from builder.backends.base import Backend, Kernels
+from builder.backends.base import CompileStep, Kernels
 from kiln.errors import SpecError, StageFailed, ToolchainMissing
 from kiln.kvcache import KV_CACHES
 from kiln.precisions import PRECISIONS
@@ -239,7 +239,7 @@ def trtllm_checkpoint_dir(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".trtllm-checkpoint")
 
 
-class TRTLLMBackend(Backend):
+class TRTLLMBackend(CompileStep):
     name = "trtllm-engine"
 
     def plan(self, spec: BuildSpec, quantized_dir: Path, out_dir: Path) -> dict:
