@@ -20,7 +20,7 @@ from builder.attest import sign_engine
 from kiln.backends import BACKENDS, default_backend
 from kiln.errors import ArtifactUnknown
 from kiln.tables import Artifact, Referrer, TrackedModel
-from kiln.sources import LOCAL, local_path, source_link, source_of
+from kiln.sources import LOCAL, local_path, source_link, source_of, written_path
 from kiln.spec import BuildSpec
 from kiln.states import add_artifact, initial_artifact_status, move_artifact, name_engine
 from kiln.targets import CPU
@@ -57,11 +57,11 @@ def public_paths(spec: BuildSpec) -> dict[str, str]:
     if source_of(spec.checkpoint) is LOCAL:
         out[str(local_path(spec.checkpoint))] = _public_ref(spec.checkpoint)
     for name in (spec.calibration.dataset, spec.evaluation.dataset, *spec.evaluation.tasks):
-        if name.startswith("/") or name.startswith("file://"):
+        if (written := written_path(name)) is not None:
             path = local_path(name)
             out[str(path)] = out.get(str(path)) or f"file:{path.name}"
-            if name.rstrip("/") != str(path):  # as given (not resolved) too: the spec records it so
-                out[name.removeprefix("file://").rstrip("/")] = f"file:{path.name}"
+            if written.rstrip("/") != str(path):  # as given (not resolved) too: the spec records it so
+                out[written.rstrip("/")] = f"file:{path.name}"
     return out
 
 

@@ -163,6 +163,13 @@ def local_path(ref: str, *, field: str = FIELD) -> Path:
     return path.resolve()
 
 
+def written_path(ref: str) -> str | None:
+    """A local file reference's absolute path as written (``file://`` dropped, nothing resolved), or None for
+    anything else: a built-in dataset name, a relative path, a remote reference."""
+    path = urlparse(ref).path if ref.startswith(FILE_PREFIX) else ref
+    return path if path.startswith("/") else None
+
+
 def _local_check(ref: str, roots: Sequence[Path]) -> tuple[Problem | None, str]:
     """Only under the configured roots (no traversal), existing, holding config.json; the canonical form is the
     resolved path (the same folder to every process), resolved once."""
