@@ -296,7 +296,7 @@ def pull_registry(reference: str, dest: Path, *, insecure: bool = False, auths: 
     :func:`pull_remote`: the same checks, cache and verification), with the registry host's own credentials
     (``auths``, default ``KILN_REGISTRY_AUTHS``, else the docker config: :func:`artifacts.push.open_registry`),
     sent to that host only. https, except for a loopback host or with ``insecure``, as for ``kiln push``.
-    ``Pulled.repository`` is ``host/repository``. ``transport`` replaces the pull client's transport (tests)."""
+    ``Pulled.repository`` is ``host/repository``. ``transport`` replaces the HTTP transport (tests)."""
     from artifacts.push import RegistryAuth, open_registry, parse_reference
 
     target, digest = parse_reference(reference)
@@ -307,7 +307,8 @@ def pull_registry(reference: str, dest: Path, *, insecure: bool = False, auths: 
 
         auths = get_settings().registry_auths
     where = f"{target.host}/{target.repository}"
-    with open_registry(target.host, insecure=insecure, auths=auths) as registry, httpx.Client(
+    with open_registry(target.host, insecure=insecure, auths=auths,
+                       client=httpx.Client(transport=transport) if transport else None) as registry, httpx.Client(
             base_url=registry.base, auth=RegistryAuth(registry, target.repository), transport=transport,
             timeout=httpx.Timeout(timeout, read=timeout), follow_redirects=True) as client:
         try:
