@@ -284,3 +284,30 @@ def test_pull_registry_finds_the_signature_by_either_referrers_path_with_auth(en
         pull_registry(f"reg.test/m/e@{image.digest}", tmp_path / "x", auths=wrong, transport=transport,
                       cache=False, max_bytes=1 << 30)
     assert not (tmp_path / "x").exists()
+
+
+def test_pull_registry_sends_no_credentials_where_a_blob_redirects(engine, tmp_path, monkeypatch):
+    """A registry that redirects blob GETs to its storage (another origin, as S3-backed ones do): the blob is
+    fetched there, verified by digest, and the registry's Authorization never goes with it."""
+    from api.pull import pull_registry
+
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker"))
+    store, image, refs = engine
+    reg = FakeRegistry(auth="basic")
+    push_image(store, reg.client(credentials=Credentials("user", "pw")), parse_destination("reg.test/m/e"),
+               image.digest, refs)
+    storage_saw: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "storage.test":
+            storage_saw.append(request.headers.get("Authorization"))
+            return httpx.Response(200, content=reg.blobs[request.url.path.rsplit("/", 1)[1]])
+        if request.method == "GET" and "/blobs/" in request.url.path and request.headers.get("Authorization"):
+            return httpx.Response(307, headers={"Location": f"https://storage.test/b/{request.url.path.rsplit('/', 1)[1]}"})
+        return reg.handler(request)
+
+    got = pull_registry(f"reg.test/m/e@{image.digest}", tmp_path / "out", transport=httpx.MockTransport(handler),
+                        auths=json.dumps({"reg.test": {"auth": base64.b64encode(b"user:pw").decode()}}),
+                        cache=False, max_bytes=1 << 30)
+    assert got.layers == 1 and (tmp_path / "out" / "weights.bin").exists()
+    assert storage_saw and storage_saw == [None] * len(storage_saw)
