@@ -357,41 +357,66 @@ def artifacts_show(digest: str) -> None:
 @click.argument("ref")
 @click.argument("dest", type=click.Path(path_type=Path))
 @click.option("--server", help="pull from a remote Kiln's /v2 registry API (http://host:8000) instead of the local store")
+@click.option("--insecure", is_flag=True, help="with a registry reference (host/repository@sha256:…): talk plain "
+                                               "http to its host (always so for localhost, 127.0.0.1 and ::1)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object (digest, repository, status, dest)")
 @click.option("--verify-key", help="public key (PEM file): write nothing unless the engine's files and signed "
                                    "provenance verify with it")
-@click.option("--no-cache", is_flag=True, help="with --server: download every layer, keep none in the local blob "
-                                               "cache (KILN_PULL_CACHE_DIR)")
-def pull(ref: str, dest: Path, server: str | None, as_json: bool, verify_key: str | None, no_cache: bool) -> None:
-    """Pull engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag) into DEST, verifying every blob against its digest; its signature
-    is written beside the files as DEST/model.sig (model_signing verify key checks it offline). With --server, layers
-    already in the local blob cache (a fine-tune's kernel, say) are checked there and not downloaded again."""
+@click.option("--no-cache", is_flag=True, help="with --server or a registry reference: download every layer, keep "
+                                               "none in the local blob cache (KILN_PULL_CACHE_DIR)")
+def pull(ref: str, dest: Path, server: str | None, insecure: bool, as_json: bool, verify_key: str | None,
+         no_cache: bool) -> None:
+    """Pull engine REF ([model@]sha256:..., a unique digest prefix, or repository:tag) into DEST, verifying every
+    blob against its digest; its signature is written beside the files as DEST/model.sig (model_signing verify key
+    checks it offline). REF host[:port]/repository@sha256:... pulls from that OCI registry (where `kiln push` put
+    it), with that host's credentials from KILN_REGISTRY_AUTHS or the docker config, sent to it only; signatures
+    through its referrers API or the referrers tag schema. With --server or a registry, layers already in the local
+    blob cache (a fine-tune's kernel, say) are checked there and not downloaded again, and a DEST that already holds
+    exactly this engine's files (checked by digest) is left as it is."""
+    from artifacts.push import is_registry_reference
     from artifacts.verify import keys_from
 
     keys = keys_from(verify_key) if verify_key else None  # a bad key file is refused before any download
-    if no_cache and not server:
-        raise SpecError("--no-cache applies to pulls from a server only", field="no_cache",
+    registry = is_registry_reference(ref)
+    if server and registry:
+        raise SpecError(f"{ref!r} names a registry host, and --server a Kiln", field="server",
+                        fix="drop --server to pull from that registry, or write model@sha256:… for the Kiln")
+    if insecure and not registry:
+        raise SpecError("--insecure applies to a registry reference (host[:port]/repository@sha256:…) only",
+                        field="insecure", fix="drop --insecure")
+    if no_cache and not (server or registry):
+        raise SpecError("--no-cache applies to pulls from a server or a registry only", field="no_cache",
                         fix="drop --no-cache (a local pull copies from the store), or add --server")
-    if server:
-        from api.pull import pull_remote
+    if server or registry:
+        from api.pull import pull_registry, pull_remote
 
-        got = pull_remote(server, ref, dest, verify_keys=keys, cache=not no_cache)
+        if registry:
+            got = pull_registry(ref, dest, insecure=insecure, verify_keys=keys, cache=not no_cache)
+            source, where = got.repository.partition("/")[0], "registry"
+        else:
+            assert server is not None
+            got = pull_remote(server, ref, dest, verify_keys=keys, cache=not no_cache)
+            source, where = server, "server"
         note = ""
         if got.status not in (None, "fresh"):
             note = f" (warning: this engine is {got.status})"
-            click.echo(f"kiln: warning: {got.repository}@{got.digest} is {got.status} on {server}; "
+            click.echo(f"kiln: warning: {got.repository}@{got.digest} is {got.status} on {source}; "
                        "pulled anyway (pinned by digest)", err=True)
         if as_json:
             click.echo(json.dumps({"digest": got.digest, "repository": got.repository, "status": got.status,
-                                   "dest": str(dest), "server": server, "signed": got.signed,
-                                   "verified_key": got.verified_key, "layers": got.layers, "size": got.size,
-                                   "layers_cached": list(got.cached), "transferred": got.transferred},
-                                  sort_keys=True))
+                                   "dest": str(dest), "server": server, "registry": source if registry else None,
+                                   "signed": got.signed, "verified_key": got.verified_key, "layers": got.layers,
+                                   "size": got.size, "layers_cached": list(got.cached),
+                                   "transferred": got.transferred, "already": got.already}, sort_keys=True))
             return
         signed = f"; verified, signed by {got.verified_key}" if got.verified_key else (
             "" if got.signed else "; unsigned: no model.sig")
+        if got.already:
+            click.echo(f"{dest} already holds {got.repository}@{got.digest}{note}{signed}; nothing rewritten")
+            return
         reuse = f"{len(got.cached)} of {got.layers} layers already here, " if got.cached else ""
-        click.echo(f"pulled {got.repository}@{got.digest} from {server} into {dest}{note}{signed}; "
+        origin = "" if where == "registry" else f" from {server}"
+        click.echo(f"pulled {got.repository}@{got.digest}{origin} into {dest}{note}{signed}; "
                    f"{reuse}{units.bytes_iec(got.transferred)} transferred")
         return
     from artifacts.verify import pull_local

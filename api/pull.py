@@ -1,5 +1,14 @@
-"""``kiln pull model@sha256:… DIR --server URL``: pull an engine from a remote Kiln's ``/v2`` registry API,
-trusting nothing the server sends.
+"""``kiln pull model@sha256:… DIR --server URL``: pull an engine from a remote Kiln's ``/v2`` registry API, and
+``kiln pull host[:port]/repository@sha256:… DIR``: from any OCI registry (the team's, where ``kiln push`` put it),
+with that host's credentials only (:func:`pull_registry`) — trusting nothing either sends.
+
+Signatures and provenance are the engine's referrers: the referrers API's index, or where a registry has none
+(CNCF distribution 2.8) the referrers tag schema's index ``sha256-<hex>`` that ``kiln push`` writes
+(:func:`referrers_of`); each referrer manifest is checked against its digest and its ``subject``.
+
+A ``DIR`` that already holds the engine's files (same paths, same sha256 each, nothing else: a rerun over a kept
+volume) is left as it is, once the engine has been pulled and verified beside it; a ``DIR`` holding anything else
+is refused.
 
 The manifest must hash to the digest asked for; the config to its descriptor, and its ``rootfs.diff_ids`` must
 name the layers; each layer is streamed to a temporary file next to ``DIR`` while it is hashed, checked against
@@ -28,8 +37,10 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tarfile
 import tempfile
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -68,6 +79,7 @@ class Pulled:
     verified_key: str | None = None  # with verify keys: the fingerprint of the key that verified the engine
     cached: tuple[str, ...] = ()  # digests of the layers taken from the local blob cache, not downloaded
     transferred: int = 0  # bytes of the layers downloaded (size minus what the cache held)
+    already: bool = False  # DEST already held exactly these files: left as it was, nothing rewritten
 
 
 def split_ref(ref: str) -> tuple[str | None, str]:
@@ -220,29 +232,45 @@ def _get_config(client: httpx.Client, name: str, manifest: dict[str, Any]) -> di
     return config
 
 
-def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | None = None,
-                timeout: float = 60, max_bytes: int | None = None,
-                verify_keys: dict[str, bytes] | None = None, cache: BlobCache | bool = True) -> Pulled:
-    """Pull engine ``ref`` (``model@sha256:…``, or a bare digest the server's /v1 API can place) from the Kiln at
-    ``server`` into ``dest``, which must not exist. ``max_bytes`` bounds the layers together (default
-    ``KILN_PULL_MAX_BYTES``). With ``verify_keys`` (fingerprint → public PEM) nothing is written unless the engine's
-    files and provenance verify with one of them. ``cache``: True for the settings' blob cache, False for none
-    (every layer downloaded, nothing kept), or a :class:`BlobCache`. ``client`` replaces the HTTP client (tests)."""
-    if client is None:  # a wrong --server is named before anything else
-        from api.remote import server_root
-
-        server_root(server)
+def _check_dest(dest: Path) -> Path:
+    """``dest`` as a pull may take it: a path that does not exist, or a directory that may hold this very engine
+    already (compared file by file, by digest, once the engine is pulled and verified beside it: :func:`_pull`).
+    Anything else is refused before any download."""
     dest = Path(dest)
-    if dest.exists() or dest.is_symlink():
+    if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or not any(dest.iterdir()))):
         raise e.SpecError(f"{dest} already exists", field="dest", fix="give a path that does not exist yet")
-    name, digest = split_ref(ref)
+    return dest
+
+
+def _pull_settings(max_bytes: int | None, cache: BlobCache | bool) -> tuple[int, BlobCache | None]:
+    """``max_bytes`` (default ``KILN_PULL_MAX_BYTES``) and the blob cache (True: the settings' one, named before
+    anything is downloaded if it cannot be written)."""
     if max_bytes is None or cache is True:
         from kiln.settings import get_settings
 
         settings = get_settings()
         max_bytes = settings.pull_max_bytes if max_bytes is None else max_bytes
-        if cache is True:  # an unwritable cache folder is named before anything is downloaded
+        if cache is True:
             cache = BlobCache(settings.blob_cache_dir, settings.pull_cache_max_bytes)
+    return max_bytes, cache if isinstance(cache, BlobCache) else None
+
+
+def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | None = None,
+                timeout: float = 60, max_bytes: int | None = None,
+                verify_keys: dict[str, bytes] | None = None, cache: BlobCache | bool = True) -> Pulled:
+    """Pull engine ``ref`` (``model@sha256:…``, or a bare digest the server's /v1 API can place) from the Kiln at
+    ``server`` into ``dest``, which must not exist, or already hold this engine's files (then left as it is).
+    ``max_bytes`` bounds the layers together (default ``KILN_PULL_MAX_BYTES``). With ``verify_keys``
+    (fingerprint → public PEM) nothing is written unless the engine's files and provenance verify with one of them.
+    ``cache``: True for the settings' blob cache, False for none (every layer downloaded, nothing kept), or a
+    :class:`BlobCache`. ``client`` replaces the HTTP client (tests)."""
+    if client is None:  # a wrong --server is named before anything else
+        from api.remote import server_root
+
+        server_root(server)
+    dest = _check_dest(dest)
+    name, digest = split_ref(ref)
+    max_bytes, blob_cache = _pull_settings(max_bytes, cache)
     own = client is None
     if client is None:
         # KILN_TOKEN as for `kiln build --server`; httpx drops it when a blob redirects to another host (presigned)
@@ -252,7 +280,7 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
     try:
         try:
             return _pull(client, name or _repository_of(client, digest), digest, dest, max_bytes, verify_keys,
-                         cache if isinstance(cache, BlobCache) else None)
+                         blob_cache)
         except httpx.HTTPError as exc:
             raise e.StorageUnavailable(f"cannot pull from {server}: {exc}",
                                        fix="check --server and that kiln api runs") from None
@@ -261,14 +289,86 @@ def pull_remote(server: str, ref: str, dest: Path, *, client: httpx.Client | Non
             client.close()
 
 
-def get_signatures(client: httpx.Client, name: str, digest: str) -> tuple[list[bytes], list[bytes]]:
-    """(engine-files bundles, provenance envelopes) the server lists as referrers of ``digest``, newest first;
-    every index, manifest and payload read bounded and checked against its digest and subject."""
-    _, body, _ = _get_json(client, f"/v2/{name}/referrers/{digest}", MANIFEST_MAX, f"referrers of {digest}")
+def pull_registry(reference: str, dest: Path, *, insecure: bool = False, auths: str | None = None,
+                  transport: httpx.BaseTransport | None = None, timeout: float = 60, max_bytes: int | None = None,
+                  verify_keys: dict[str, bytes] | None = None, cache: BlobCache | bool = True) -> Pulled:
+    """Pull engine ``reference`` (``host[:port]/repository@sha256:…``) from any OCI registry into ``dest`` (as
+    :func:`pull_remote`: the same checks, cache and verification), with the registry host's own credentials
+    (``auths``, default ``KILN_REGISTRY_AUTHS``, else the docker config: :func:`artifacts.push.open_registry`),
+    sent to that host only. https, except for a loopback host or with ``insecure``, as for ``kiln push``.
+    ``Pulled.repository`` is ``host/repository``. ``transport`` replaces the HTTP transport (tests)."""
+    from artifacts.push import RegistryAuth, open_registry, parse_reference
+
+    target, digest = parse_reference(reference)
+    dest = _check_dest(dest)
+    max_bytes, blob_cache = _pull_settings(max_bytes, cache)
+    if auths is None:
+        from kiln.settings import get_settings
+
+        auths = get_settings().registry_auths
+    where = f"{target.host}/{target.repository}"
+    with open_registry(target.host, insecure=insecure, auths=auths,
+                       client=httpx.Client(transport=transport) if transport else None) as registry, httpx.Client(
+            base_url=registry.base, auth=RegistryAuth(registry, target.repository), transport=transport,
+            timeout=httpx.Timeout(timeout, read=timeout), follow_redirects=True) as client:
+        try:
+            got = _pull(client, target.repository, digest, dest, max_bytes, verify_keys, blob_cache)
+        except e.ArtifactUnknown as exc:
+            raise e.ArtifactUnknown(f"{where}: {exc.message}", field="ref",
+                                    fix=f"check the digest and repository ({REGISTRY_FIX})") from None
+        except httpx.HTTPError as exc:
+            https = registry.base.startswith("https://")
+            raise e.RegistryUnavailable(
+                f"cannot pull from {target.host} ({type(exc).__name__}: {exc})", field="ref",
+                fix=("is it a plain-http registry? then pass --insecure" if https else
+                     "check the host and port, and that the registry is running")) from None
+    return dataclasses.replace(got, repository=where)
+
+
+REGISTRY_FIX = "`kiln push` prints the reference: host[:port]/repository@sha256:…"
+
+
+def _index_manifests(body: bytes) -> list[Any] | None:
+    """The ``manifests`` of an image index, or None when ``body`` is not one."""
     try:
-        listed = json.loads(body).get("manifests") or []
-    except (ValueError, AttributeError):
-        raise e.KilnError(f"the referrers of {digest} are not an image index") from None
+        index = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(index, dict) or not isinstance(index.get("manifests"), list) or (
+            index.get("mediaType", MEDIA_TYPE_IMAGE_INDEX) != MEDIA_TYPE_IMAGE_INDEX):
+        return None
+    return index["manifests"]
+
+
+def referrers_of(client: httpx.Client, name: str, digest: str) -> list[Any]:
+    """The descriptors of ``digest``'s referrers: the referrers API's index (``GET /v2/<name>/referrers/<digest>``),
+    or where a registry has none (``404``, or an answer that is not an index: CNCF distribution 2.8) the referrers
+    tag schema's index ``kiln push`` writes there (``GET /v2/<name>/manifests/sha256-<hex>``); none if neither
+    exists. A tag is not a digest: what it lists is trusted no further than :func:`get_signatures` checks it."""
+    try:
+        _, body, _ = _get_json(client, f"/v2/{name}/referrers/{digest}", MANIFEST_MAX, f"referrers of {digest}")
+        listed = _index_manifests(body)
+    except e.ArtifactUnknown:
+        listed = None
+    if listed is not None:
+        return listed
+    tag = digest.replace(":", "-")
+    try:
+        _, body, _ = _get_json(client, f"/v2/{name}/manifests/{tag}", MANIFEST_MAX, f"the referrers tag {tag}",
+                               {"Accept": MEDIA_TYPE_IMAGE_INDEX})
+    except e.ArtifactUnknown:
+        return []
+    listed = _index_manifests(body)
+    if listed is None:
+        raise e.KilnError(f"the referrers tag {tag} of {name} is not an image index")
+    return listed
+
+
+def get_signatures(client: httpx.Client, name: str, digest: str) -> tuple[list[bytes], list[bytes]]:
+    """(engine-files bundles, provenance envelopes) listed as referrers of ``digest`` (:func:`referrers_of`),
+    newest first; every index, manifest and payload read bounded, each manifest checked against its digest and
+    kept only if its ``subject`` is ``digest``."""
+    listed = referrers_of(client, name, digest)
     out: dict[str, list[bytes]] = {BUNDLE_TYPE: [], IN_TOTO_PAYLOAD_TYPE: []}
     wanted = [d for d in reversed(listed) if isinstance(d, dict) and d.get("artifactType") in out][:SIGNATURES_MAX]
     for d in wanted:
@@ -279,6 +379,41 @@ def get_signatures(client: httpx.Client, name: str, digest: str) -> tuple[list[b
             continue  # not about this engine, whatever the index says
         out[d["artifactType"]].append(get_small_blob(client, name, layers[0], SIGNATURE_MAX, "a signature"))
     return out[BUNDLE_TYPE], out[IN_TOTO_PAYLOAD_TYPE]
+
+
+def same_files(a: Path, b: Path) -> bool:
+    """Whether directories ``a`` and ``b`` hold the same directories and regular files (by relative path and the
+    sha256 of their bytes) and nothing else (a link, a device: not the same)."""
+
+    def listing(root: Path) -> tuple[dict[str, tuple[int, Path]], set[str]] | None:
+        files: dict[str, tuple[int, Path]] = {}
+        dirs: set[str] = set()
+        for top, dirnames, filenames in os.walk(root):
+            for entry in dirnames + filenames:
+                path = Path(top, entry)
+                st = path.lstat()
+                rel = path.relative_to(root).as_posix()
+                if stat.S_ISDIR(st.st_mode):
+                    dirs.add(rel)
+                elif stat.S_ISREG(st.st_mode):
+                    files[rel] = (st.st_size, path)
+                else:
+                    return None
+        return files, dirs
+
+    def sha256(path: Path) -> str:
+        hasher = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                hasher.update(chunk)
+        return hasher.hexdigest()
+
+    left, right = listing(a), listing(b)
+    if left is None or right is None or left[1] != right[1] or left[0].keys() != right[0].keys():
+        return False
+    if any(size != right[0][rel][0] for rel, (size, _) in left[0].items()):
+        return False
+    return all(sha256(path) == sha256(right[0][rel][1]) for rel, (_, path) in left[0].items())
 
 
 def _layer(client: httpx.Client, name: str, digest: str, size: int, cache: BlobCache | None,
@@ -353,12 +488,20 @@ def _pull(client: httpx.Client, name: str, digest: str, dest: Path, max_bytes: i
             if (staging / SIGNATURE_FILE).exists():
                 raise UnsafeLayer(f"the engine's layer holds a {SIGNATURE_FILE}, where its signature goes")
             (staging / SIGNATURE_FILE).write_bytes(bundle)
-        os.chmod(staging, 0o755)
-        os.rename(staging, dest)
+        already = dest.exists() or dest.is_symlink()
+        if already:  # a rerun (an init container over a kept volume): the same files by digest, or refused
+            if dest.is_symlink() or not dest.is_dir() or not same_files(staging, dest):
+                raise e.SpecError(f"{dest} already exists and does not hold {name}@{digest}", field="dest",
+                                  fix="give a path that does not exist yet (or remove it)")
+            shutil.rmtree(staging)
+        else:
+            os.chmod(staging, 0o755)
+            os.rename(staging, dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
         if cache is not None:
             cache.evict()
-    return Pulled(name, digest, status, dest, len(layers), total, bundle is not None, key, tuple(cached), transferred)
+    return Pulled(name, digest, status, dest, len(layers), total, bundle is not None, key, tuple(cached), transferred,
+                  already)

@@ -113,6 +113,27 @@ def parse_destination(text: str, *, field: str = "dest") -> Destination:
     return Destination(host, repository, tag)
 
 
+REFERENCE_FIX = "write host[:port]/repository@sha256:<64 hex>, as `kiln push` prints it"
+
+
+def is_registry_reference(text: str) -> bool:
+    """Whether ``text`` names a registry host before its repository (``host[:port]/…``): a first component with a
+    ``.`` or a ``:``, or ``localhost`` (the rule container runtimes use); ``acme/tiny@sha256:…`` is a Kiln name."""
+    first, slash, _ = text.strip().partition("/")
+    return bool(slash) and ("." in first or ":" in first or first == "localhost")
+
+
+def parse_reference(text: str, *, field: str = "ref") -> tuple[Destination, str]:
+    """``host[:port]/repository@sha256:<hex>`` → (where, digest); :class:`NameInvalid` naming ``field`` otherwise.
+    A pull from a registry is by digest only (a tag before the digest is dropped: the digest pins the engine)."""
+    name, at, digest = text.strip().rpartition("@")
+    if not at:
+        raise NameInvalid(f"{text.strip()!r} names no digest: an engine is pulled from a registry by digest",
+                          field=field, fix=REFERENCE_FIX)
+    target = parse_destination(name, field=field)
+    return Destination(target.host, target.repository), parse_digest(digest, field=field)
+
+
 def registry_host(host: str) -> str:
     """One spelling per registry host, as a container runtime reaches it: lower case, no trailing dot on the
     name, the port as a number (``:0443`` is ``:443``) and no ``:443`` (HTTPS's default port:
@@ -220,6 +241,14 @@ def credentials_for(host: str, *, auths: str | None = None, docker_config: Path 
         raise InvalidRequest(f"the docker config {path} is unreadable ({type(exc).__name__})", field="docker_config",
                              fix=f"fix or remove it, or set {AUTHS_SETTING}") from None
     return _lookup(config.get("auths") if isinstance(config, dict) else None, host, str(path), "docker_config")
+
+
+def open_registry(host: str, *, insecure: bool = False, auths: str | None = None,
+                  client: httpx.Client | None = None) -> Registry:
+    """A :class:`Registry` client for ``host`` with its own credentials (:func:`credentials_for`), and for a token
+    realm on another host that host's own: the one place pushes and pulls choose what is sent where."""
+    return Registry(host, insecure=insecure, credentials=credentials_for(host, auths=auths),
+                    credentials_for_host=lambda other: credentials_for(other, auths=auths), client=client)
 
 
 # -- the client --------------------------------------------------------------------------------------------------
@@ -472,6 +501,45 @@ class Registry:
         except ValueError:
             return None
         return index if isinstance(index, dict) and isinstance(index.get("manifests"), list) else None
+
+
+class RegistryAuth(httpx.Auth):
+    """A :class:`Registry`'s auth for another ``httpx.Client`` (a pull's, which streams blobs): its ``Authorization``
+    (Basic, or a Bearer token fetched by :meth:`Registry._authenticate`) is sent only to the registry's own origin
+    (httpx drops it on a redirect elsewhere); a ``401`` from there is answered once; a ``401`` after that, or a
+    ``403``, is :class:`~kiln.errors.RegistryDenied` naming the credentials."""
+
+    def __init__(self, registry: Registry, repository: str) -> None:
+        self.registry = registry
+        self.repository = repository
+
+    def _own(self, url: httpx.URL) -> bool:
+        return origin(str(url)) == origin(self.registry.base)
+
+    def auth_flow(self, request: httpx.Request) -> Any:
+        registry = self.registry
+        own = self._own(request.url)
+        if own and registry._authorization:
+            request.headers["Authorization"] = registry._authorization
+        response = yield request
+        if not own or not self._own(response.request.url):
+            return  # a redirect elsewhere (a blob's storage): no credentials went there, none are offered
+        what = f"{request.method} {request.url.path}"
+        if response.status_code == 401 and "Authorization" not in request.headers:
+            registry._authenticate(response, self.repository)
+            request.headers["Authorization"] = registry._authorization or ""
+            response = yield request
+        creds = registry.credentials
+        if response.status_code == 401:
+            raise RegistryDenied(f"{registry.host} refused " + (f"the credentials from {creds.source}" if creds else
+                                                                 "an anonymous pull") + f" ({what})",
+                                 field="credentials", fix=CREDENTIALS_FIX.format(host=registry.host))
+        if response.status_code == 403:
+            raise RegistryDenied(f"{registry.host} answered 403 to {what}: "
+                                 + (f"the credentials from {creds.source} may not pull" if creds else
+                                    "anonymous pulls are not allowed"),
+                                 field="credentials", fix=f"use credentials that may pull from {registry.host}: "
+                                                          + CREDENTIALS_FIX.format(host=registry.host))
 
 
 # -- pushing -----------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from artifacts.interfaces import BlobStore
-from artifacts.push import PushResult, Registry, credentials_for, parse_destination, push_image, registry_host
+from artifacts.push import PushResult, Registry, open_registry, parse_destination, push_image, registry_host
 from kiln.errors import EngineRevoked, ValidationFailed
 from kiln.tables import Artifact, Referrer, Replica, utcnow
 
@@ -61,9 +61,7 @@ def push_engine(store: BlobStore, sessions: sessionmaker[Session], digest: str, 
         model = model or row.repository
     own = registry is None
     if registry is None:
-        creds = credentials_for(target.host, auths=auths)
-        registry = Registry(target.host, insecure=insecure, credentials=creds,
-                            credentials_for_host=lambda host: credentials_for(host, auths=auths))
+        registry = open_registry(target.host, insecure=insecure, auths=auths)
     try:
         result = push_image(store, registry, target, digest, refs, on_step=on_step)
     finally:

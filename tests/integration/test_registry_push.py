@@ -309,3 +309,76 @@ def test_admission_and_resolve_accept_the_pushed_reference(registry, home):
     printed = kiln(path, "resolve", *variant, "--registry", f"{host}/replicas")
     assert printed.returncode == 0 and printed.stdout == f"{host}/replicas/acme/tiny@{digest}\n", printed.stderr
     assert admit(done["reference"])["allowed"] is True
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@needs_registry
+def test_a_deployer_with_only_the_public_key_pulls_and_verifies_from_the_registry(registry, home, tmp_path):
+    """The round trip through the team's registry (distribution 2.8: no referrers API, so the signature and the
+    provenance are found under the referrers tag schema `kiln push` wrote): a fresh KILN_HOME with only
+    `kiln keys public`'s PEM pulls host/repository@digest and verifies it offline; a wrong key is refused; a rerun
+    into the same DEST is a no-op; a DEST with other content (even under the same names) is refused."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    path, digest, _, _ = home
+    host = registry.removeprefix("http://")
+    ref = f"{host}/team/engines/deploy@{digest}"
+    assert kiln(path, "push", digest, f"{host}/team/engines/deploy").returncode == 0
+    public = kiln(path, "keys", "public")
+    assert public.returncode == 0, public.stderr
+    deployer = tmp_path / "deployer"
+    deployer.mkdir()
+    (deployer / "kiln.pub").write_text(public.stdout)
+    fresh = deployer / "kiln"  # no index, no store, no keys: only the PEM above
+    dest = deployer / "engine"
+
+    got = kiln(fresh, "pull", ref, str(dest), "--verify-key", str(deployer / "kiln.pub"))
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.startswith(f"pulled {host}/team/engines/deploy@{digest} into {dest}; verified, signed by ")
+    signer = got.stdout.split("signed by ", 1)[1].split(";", 1)[0]
+    engine = files_of(path.parent / "engine")
+    pulled = files_of(dest)
+    assert pulled.pop("model.sig") and pulled == engine
+    assert not (fresh / "keys").exists()
+
+    # again into the same DEST: checked by digest, left as it is
+    before = {p: p.stat().st_mtime_ns for p in [dest, *dest.rglob("*")]}
+    again = kiln(fresh, "pull", ref, str(dest), "--verify-key", str(deployer / "kiln.pub"))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == (f"{dest} already holds {host}/team/engines/deploy@{digest}; verified, signed by "
+                            f"{signer}; nothing rewritten\n")
+    assert {p: p.stat().st_mtime_ns for p in [dest, *dest.rglob("*")]} == before
+
+    # a key that did not sign it: refused, nothing written
+    other_key = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    (deployer / "other.pub").write_bytes(other_key)
+    wrong = kiln(fresh, "pull", ref, str(deployer / "wrong"), "--verify-key", str(deployer / "other.pub"))
+    assert wrong.returncode == 1 and "not trusted" in wrong.stderr, wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1 and not (deployer / "wrong").exists()
+
+    # a DEST holding anything else is refused, left as it was: other files, or the same names with other bytes
+    elsewhere = deployer / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_bytes(b"{}")
+    tampered = deployer / "tampered"
+    shutil.copytree(dest, tampered)
+    (tampered / "weights.bin").write_bytes(b"\0" * len(engine["weights.bin"]))
+    for taken in (elsewhere, tampered):
+        kept = files_of(taken)
+        refused = kiln(fresh, "pull", ref, str(taken))
+        assert refused.returncode == 2 and f"{taken} already exists" in refused.stderr, refused.stderr
+        assert files_of(taken) == kept
+        assert [p.name for p in deployer.iterdir() if p.name.startswith(f".{taken.name}")] == []  # no staging left
+
+    # the reference is checked before anything is sent
+    bare = kiln(fresh, "pull", f"{host}/team/engines/deploy", str(deployer / "x"))
+    assert bare.returncode == 2 and "names no digest" in bare.stderr
+    both = kiln(fresh, "pull", ref, str(deployer / "x"), "--server", "http://127.0.0.1:1")
+    assert both.returncode == 2 and "names a registry host, and --server a Kiln" in both.stderr, both.stderr
+    down = kiln(fresh, "pull", f"127.0.0.1:{free_port()}/team/engines/deploy@{digest}", str(deployer / "x"))
+    assert down.returncode == 3 and "cannot pull from" in down.stderr, down.stderr

@@ -431,8 +431,14 @@ def test_pull_remote_verifies_and_unpacks(reg, engine, tmp_path):
     assert sorted(p.name for p in dest.parent.iterdir()) == ["engine"]  # no staging left
     # a bare digest is placed through /v1/artifacts
     assert pull_remote("http://testserver", engine.digest, tmp_path / "bare", client=reg.client).repository == REPO
-    with pytest.raises(SpecError):
+    # the same engine again into its DEST: checked by digest and left as it is; other content there is refused
+    mtimes = {p: p.stat().st_mtime_ns for p in [dest, *dest.rglob("*")]}
+    again = pull_remote("http://testserver", f"{REPO}@{engine.digest}", dest, client=reg.client)
+    assert again.already and {p: p.stat().st_mtime_ns for p in [dest, *dest.rglob("*")]} == mtimes
+    (dest / "extra.txt").write_bytes(b"not the engine's")
+    with pytest.raises(SpecError, match="does not hold"):
         pull_remote("http://testserver", f"{REPO}@{engine.digest}", dest, client=reg.client)
+    assert (dest / "extra.txt").exists() and sorted(p.name for p in dest.parent.iterdir()) == ["engine"]
 
 
 def test_pull_remote_refuses_a_revoked_engine(reg, engine, tmp_path):

@@ -60,7 +60,9 @@ class FakeRegistry:
             self.blobs[digest] = data
             return httpx.Response(201)
         if "/blobs/" in path:
-            return httpx.Response(200 if parts[-1] in self.blobs else 404)
+            if parts[-1] not in self.blobs:
+                return httpx.Response(404)
+            return httpx.Response(200, content=self.blobs[parts[-1]] if request.method == "GET" else b"")
         if "/manifests/" in path and request.method == "PUT":
             data = request.read()
             self.manifests[parts[-1]] = data
@@ -75,8 +77,10 @@ class FakeRegistry:
         if "/referrers/" in path:
             if not self.referrers_api:
                 return httpx.Response(404, text="404 page not found")
-            found = [{"digest": d, "mediaType": MEDIA_TYPE_IMAGE_MANIFEST} for d, b in self.manifests.items()
-                     if d.startswith("sha256:") and (json.loads(b).get("subject") or {}).get("digest") == parts[-1]]
+            listed = {d: json.loads(b) for d, b in self.manifests.items() if d.startswith("sha256:")}
+            found = [{"digest": d, "mediaType": MEDIA_TYPE_IMAGE_MANIFEST,
+                      "artifactType": m.get("artifactType") or m["config"]["mediaType"]}
+                     for d, m in listed.items() if (m.get("subject") or {}).get("digest") == parts[-1]]
             return httpx.Response(200, json={"schemaVersion": 2, "mediaType": MEDIA_TYPE_IMAGE_INDEX,
                                              "manifests": found})
         return httpx.Response(404)
@@ -237,3 +241,73 @@ def test_credentials_from_kiln_registry_auths_then_docker_config(tmp_path):
     config.write_text("{not json")
     with pytest.raises(InvalidRequest):
         credentials_for("reg.example.com", docker_config=config)
+
+
+@pytest.mark.parametrize("auth", [None, "basic", "bearer"])
+@pytest.mark.parametrize("referrers_api", [True, False])
+def test_pull_registry_finds_the_signature_by_either_referrers_path_with_auth(engine, tmp_path, monkeypatch, auth,
+                                                                              referrers_api):
+    """`kiln pull host/repo@digest` (api/pull.py pull_registry) over the registry's auth, finding the signature
+    bundle through the referrers API or, without one, the tag schema `kiln push` wrote; credentials configured for
+    another host are never used."""
+    from api.pull import pull_registry
+    from artifacts.signing import BUNDLE_TYPE
+
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker"))
+    store, image, refs = engine
+    subject = descriptor(MEDIA_TYPE_IMAGE_MANIFEST, image.digest, image.size)
+    sig = push_referrer(store, subject, artifact_type=BUNDLE_TYPE, payload=b"the bundle",
+                        payload_media_type="application/json", annotations={})
+    reg = FakeRegistry(referrers_api=referrers_api, auth=auth)
+    push_image(store, reg.client(credentials=Credentials("user", "pw")), parse_destination("reg.test/m/e"),
+               image.digest, [*refs, sig])
+    assert (fallback_tag(image.digest) in reg.manifests) is not referrers_api
+    transport = httpx.MockTransport(reg.handler)
+    auths = json.dumps({"reg.test": {"username": "user", "password": "pw"}})
+    got = pull_registry(f"reg.test/m/e@{image.digest}", tmp_path / "out", auths=auths, transport=transport,
+                        cache=False, max_bytes=1 << 30)
+    assert got.repository == "reg.test/m/e" and got.signed and not got.already
+    assert (tmp_path / "out" / "model.sig").read_bytes() == b"the bundle"
+    assert (tmp_path / "out" / "weights.bin").read_bytes() == bytes(range(256)) * 9000
+    again = pull_registry(f"reg.test/m/e@{image.digest}", tmp_path / "out", auths=auths, transport=transport,
+                          cache=False, max_bytes=1 << 30)
+    assert again.already
+    if auth is None:
+        return
+    elsewhere = json.dumps({"other.test": {"username": "user", "password": "pw"}})
+    refused = "asks for credentials" if auth == "basic" else "refused an anonymous"
+    with pytest.raises(RegistryDenied, match=refused):
+        pull_registry(f"reg.test/m/e@{image.digest}", tmp_path / "x", auths=elsewhere, transport=transport,
+                      cache=False, max_bytes=1 << 30)
+    wrong = json.dumps({"reg.test": {"username": "user", "password": "bad"}})
+    with pytest.raises(RegistryDenied, match="refused the credentials"):
+        pull_registry(f"reg.test/m/e@{image.digest}", tmp_path / "x", auths=wrong, transport=transport,
+                      cache=False, max_bytes=1 << 30)
+    assert not (tmp_path / "x").exists()
+
+
+def test_pull_registry_sends_no_credentials_where_a_blob_redirects(engine, tmp_path, monkeypatch):
+    """A registry that redirects blob GETs to its storage (another origin, as S3-backed ones do): the blob is
+    fetched there, verified by digest, and the registry's Authorization never goes with it."""
+    from api.pull import pull_registry
+
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker"))
+    store, image, refs = engine
+    reg = FakeRegistry(auth="basic")
+    push_image(store, reg.client(credentials=Credentials("user", "pw")), parse_destination("reg.test/m/e"),
+               image.digest, refs)
+    storage_saw: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "storage.test":
+            storage_saw.append(request.headers.get("Authorization"))
+            return httpx.Response(200, content=reg.blobs[request.url.path.rsplit("/", 1)[1]])
+        if request.method == "GET" and "/blobs/" in request.url.path and request.headers.get("Authorization"):
+            return httpx.Response(307, headers={"Location": f"https://storage.test/b/{request.url.path.rsplit('/', 1)[1]}"})
+        return reg.handler(request)
+
+    got = pull_registry(f"reg.test/m/e@{image.digest}", tmp_path / "out", transport=httpx.MockTransport(handler),
+                        auths=json.dumps({"reg.test": {"auth": base64.b64encode(b"user:pw").decode()}}),
+                        cache=False, max_bytes=1 << 30)
+    assert got.layers == 1 and (tmp_path / "out" / "weights.bin").exists()
+    assert storage_saw and storage_saw == [None] * len(storage_saw)
