@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from api.cli_base import KilnGroup, _context, _find_artifact, main  # noqa: F401 (the group; what commands share)
-from api.output import json_line
+from api.output import gate_table, json_line
 from api.progress import Progress
 from kiln import units
 from kiln.backends import BACKENDS, DEFAULT_BACKEND
@@ -294,6 +294,7 @@ def _build(checkpoint: str, dry_run: bool, as_json: bool, server: str | None, wa
                    "--force builds anew", err=True)
     if as_json:
         json_line(out)
+        gate_table(out)
     else:
         _print_summary(out)
     if junit_path or html_path:

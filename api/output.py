@@ -17,6 +17,19 @@ def begin() -> None:
     _printed["result"] = False
 
 
+def gate_table(out: dict) -> None:
+    """With ``--json``, a build's verdict and gate table on stderr, so a CI log that keeps stdout for a file still
+    shows why an engine was rejected (or passed) at a glance."""
+    from kiln import units
+
+    v = out.get("validation") or {}
+    if not v.get("gates"):
+        return
+    click.echo(f"validation {'PASSED' if v.get('passed') else 'FAILED'} ({len(v['gates'])} gates):", err=True)
+    for g in v["gates"]:
+        click.echo("  " + units.gate_line(g), err=True)
+
+
 def json_line(obj) -> None:
     """Print a command's JSON result (and remember that one was printed)."""
     click.echo(json.dumps(obj, sort_keys=True))

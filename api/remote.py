@@ -11,7 +11,7 @@ import httpx
 from httpx_sse import SSEError, connect_sse
 
 from api.errors import TABLE
-from api.output import json_line
+from api.output import gate_table, json_line
 from kiln import errors as e
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -236,6 +236,7 @@ def remote_build(server: str, spec: dict, *, wait: bool, as_json: bool, progress
         out = _finish(client, server, _post(client, server, spec), wait=wait, progress=progress, timeout=timeout)
     if as_json:
         json_line(out)
+        gate_table(out)
         return out
     if not wait and out.get("id"):
         click.echo(follow_line(server, out))

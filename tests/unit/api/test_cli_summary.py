@@ -82,3 +82,19 @@ def test_a_ladder_whose_last_rung_passed_names_it_chosen(capsys):
     assert lines[recipe] == "recipe fp8-pcpt (chosen by the auto ladder)"
     assert lines[recipe + 1].endswith("FAIL perplexity increase; undecided mean KL  [screen; quantize 6.20 s, screen 3.60 s]")
     assert "  pass  [screen;" in lines[recipe + 2]
+
+
+def test_with_json_the_gate_table_goes_to_stderr_and_stdout_keeps_one_json_line(capsys):
+    from api.output import gate_table, json_line
+
+    rejected = {**OUT, "validation": {**OUT["validation"], "passed": False, "gates": [
+        {**OUT["validation"]["gates"][0], "threshold": 0.99, "passed": False, "decision": "fail"},
+        *OUT["validation"]["gates"][1:]]}}
+    json_line(rejected)
+    gate_table(rejected)
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 and out.startswith("{")
+    assert err.splitlines() == ["validation FAILED (3 gates):",
+                                "  top-1 agreement 94.2% [92.8%, 95.6%] (99.3%) ≥ 99.0%  FAIL",
+                                "  throughput 30,307 tokens/s ≥ 1.00 tokens/s  pass",
+                                "  peak memory 42.4 MiB ≤ 17.7 GiB  pass"]
