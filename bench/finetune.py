@@ -126,9 +126,17 @@ def finetune(base: Path, out: Path, index: int, steps: int) -> dict:
             "changed_bf16_weights": round(changed / total, 4)}
 
 
+def roots(work: Path) -> str:
+    """The checkpoint roots: the repository, the fine-tunes' folder and the base's."""
+    return os.pathsep.join(str(p) for p in (ROOT, work, BASE_ROOT, TUNES_ROOT))
+
+
+BASE_ROOT = TUNES_ROOT = ROOT  # set by main()
+
+
 def env_for(work: Path, home: Path) -> dict[str, str]:
     """A fresh TorchInductor cache for each process; the home's own database, store and stage cache."""
-    return {**os.environ, "KILN_HOME": str(home), "KILN_CHECKPOINT_ROOTS": f"{ROOT}{os.pathsep}{work}",
+    return {**os.environ, "KILN_HOME": str(home), "KILN_CHECKPOINT_ROOTS": roots(work),
             "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-", dir=work),
             "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
 
@@ -188,8 +196,8 @@ class ServiceStack:
         root.mkdir()
         self.stack = Stack(root / "kiln", {"KILN_DATABASE_URL": db_url, "KILN_BROKER_URL": redis.database(),
                                            "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-", dir=work),
-                                           "KILN_CHECKPOINT_ROOTS": f"{ROOT}{os.pathsep}{work}"})
-        self.stack.env["KILN_CHECKPOINT_ROOTS"] = f"{ROOT}{os.pathsep}{work}"
+                                           "KILN_CHECKPOINT_ROOTS": roots(work)})
+        self.stack.env["KILN_CHECKPOINT_ROOTS"] = roots(work)
         up = self.stack.kiln("db", "upgrade")
         if up.returncode != 0:
             raise SystemExit(f"kiln db upgrade: {up.stderr[-2000:]}")
@@ -345,8 +353,12 @@ def main() -> None:
     ap.add_argument("--service-rounds", type=int, help="rounds through the service (default: --rounds)")
     ap.add_argument("--no-cli", action="store_true", help="only the service's rounds")
     ap.add_argument("--out", type=Path, help="write the result as JSON here")
+    ap.add_argument("--tunes", type=Path, help="keep the fine-tunes in this folder and reuse those already there "
+                    "(default: made afresh in the run's temporary folder)")
     args = ap.parse_args()
+    global BASE_ROOT, TUNES_ROOT
     base = base_checkpoint(args.checkpoint)
+    BASE_ROOT = base.parent
     vocab = int(json.loads((base / "config.json").read_text())["vocab_size"])
     print(f"cpu: {cpu_name()}; base {base}", flush=True)
     result: dict = {"cpu": cpu_name(), "base": str(base), "steps": args.steps, "lr": STEPS_LR}
@@ -354,10 +366,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-ftbench-") as d:
         work = Path(d)
         n = max(args.rounds, args.service_rounds or 0) if args.service else args.rounds
-        tunes = []
+        tunes, where = [], (args.tunes.resolve() if args.tunes else work)
+        where.mkdir(parents=True, exist_ok=True)
+        TUNES_ROOT = where
         for i in range(1, n + 1):
             t0 = time.perf_counter()
-            info = finetune(base, work / f"{base.name}-ft{i}", i, args.steps)
+            made = where / f"{base.name}-ft{i}-{args.steps}steps"
+            saved = where / f"{made.name}.json"
+            if saved.is_file():
+                info = json.loads(saved.read_text())
+            else:
+                shutil.rmtree(made, ignore_errors=True)  # a half-made one
+                info = finetune(base, made, i, args.steps)
+                saved.write_text(json.dumps(info))
             tunes.append(Path(info["dir"]))
             result.setdefault("finetunes", []).append(info)
             print(f"fine-tune {i}: {args.steps} Adam steps in {time.perf_counter() - t0:.1f}s, loss {info['losses']} "
