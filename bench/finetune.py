@@ -5,11 +5,15 @@ ratio and checks that both published engines compute the same logits.
 
 The base is SmolLM2-135M-Instruct (``~/.cache/kiln/real-models/smollm2-135m``, made by
 ``python scripts/real_models.py smollm2-135m`` when missing). A fine-tune is a real change of its weights with the
-same architecture: ``--steps`` steps of Adam (lr 3e-4) on causal-LM loss over a slice of Kiln's calibration text
+same architecture: ``--steps`` steps of Adam (``--lr``, default 1e-4) on causal-LM loss over a slice of Kiln's calibration text
 (``kiln:calibration``, 2 × 128-token windows a step, a different slice for each fine-tune), trained in float32 and
 saved in the base's dtype (bf16) with ``save_pretrained``; the base's config.json, generation config and tokenizer
 files are copied over unchanged. Each round builds a fine-tune of its own, so no build answers another from the
-registry; the bench prints the loss before and after and the share of bf16 weights that changed.
+registry; the bench prints the loss before and after and the share of bf16 weights that changed. A fine-tune
+must stay within the FP8 recipe's accuracy gates: one that fails them makes the default ``auto`` recipe climb its
+ladder to another recipe inside validate, whose kernel is another (2026-12-07: lr 3e-4 took SmolLM2 to +4.6 %
+perplexity under ``fp8`` and the build published ``fp8-pcpt``). The bench checks that every published engine runs
+on the base's kernel (engine.json's kernel key) and stops, saying so, when one does not.
 
 Each round, in alternating order, through the real ``kiln build`` CLI in a fresh process (``--precision fp8`` and
 every other option at its default: the ``latency`` profile, aot-inductor, ``cpu``, calibration 32 × 128,
@@ -54,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-STEPS_LR = 3e-4
+LR = 1e-4
 WINDOW, BATCH = 128, 2
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -82,7 +86,7 @@ def base_checkpoint(given: str | None) -> Path:
     return ensure("smollm2-135m")
 
 
-def finetune(base: Path, out: Path, index: int, steps: int) -> dict:
+def finetune(base: Path, out: Path, index: int, steps: int, lr: float = LR) -> dict:
     """A fine-tune of ``base`` into ``out``: ``steps`` Adam steps on slice ``index`` of the calibration text."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -98,7 +102,7 @@ def finetune(base: Path, out: Path, index: int, steps: int) -> dict:
     windows = ids[start:start + need].view(steps, BATCH, WINDOW)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     before = {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
-    opt = torch.optim.Adam(model.parameters(), lr=STEPS_LR)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     losses = []
     for batch in windows:
@@ -157,6 +161,20 @@ def cli_build(work: Path, home: Path, ckpt: Path) -> dict:
     if out["status"] != "succeeded":
         raise SystemExit(f"the build of {ckpt.name} in {home} did not succeed: {json.dumps(out)[:2000]}")
     return {"wall": wall, "digest": out["digest"], "stages": {s["name"]: (s["status"], s["seconds"]) for s in out["stages"]}}
+
+
+def kernel_key_of(engine: Path) -> str:
+    return json.loads((engine / "engine.json").read_text())["kernel"]["key"]
+
+
+def expect_kernel(engine: Path, kernel: str, what: str) -> None:
+    """The published engine runs on ``kernel``: a ladder that climbed to another recipe in validate built another."""
+    got = kernel_key_of(engine)
+    if got != kernel:
+        meta = json.loads((engine / "engine.json").read_text())
+        raise SystemExit(f"{what}: the published engine runs on kernel {got}, not the base's {kernel} (its quant_algo "
+                         f"{meta.get('quant_algo')}): the auto recipe climbed its ladder, the fine-tune failed the FP8 "
+                         "recipe's gates; make a gentler fine-tune (--lr, --steps)")
 
 
 def expect_compile(build: dict, status: str, what: str) -> None:
@@ -277,6 +295,7 @@ def cli_rounds(work: Path, base: Path, tunes: list[Path]) -> dict:
     t0 = time.perf_counter()
     b = cli_build(work, warm_home, base)
     expect_compile(b, "ran", "the base build")
+    base_kernel = kernel_key_of(Path(kiln(work, warm_home, "pull", b["digest"], str(work / "pulled-base"))["dest"]))
     print(f"base build (not timed in the ratio): {time.perf_counter() - t0:.1f}s, stages {b['stages']}", flush=True)
     rounds = []
     for i, tune in enumerate(tunes, 1):
@@ -298,6 +317,7 @@ def cli_rounds(work: Path, base: Path, tunes: list[Path]) -> dict:
             dest = work / f"pulled-{side}-{i}"
             kiln(work, home, "pull", res["digest"], str(dest))
             res["engine"] = str(dest)
+            expect_kernel(dest, base_kernel, f"round {i} {side}")
         rounds.append({"cold": c, "tuned": t})
         print(f"round {i} ({'cold first' if i % 2 else 'tuned first'}): cold {c['wall']:.1f}s {c['stages']}; "
               f"tuned {t['wall']:.1f}s {t['stages']}; ratio {t['wall'] / c['wall']:.3f}", flush=True)
@@ -316,6 +336,7 @@ def service_rounds(work: Path, base: Path, tunes: list[Path]) -> dict:
         if b["status"] != "succeeded":
             raise SystemExit(f"the service's base build: {b}")
         expect_compile(b, "ran", "the service's base build")
+        base_kernel = kernel_key_of(warm.pull(b["digest"], work / "svc-pulled-base"))
         print(f"service base build (not timed in the ratio): {time.perf_counter() - t0:.1f}s, stages {b['stages']}",
               flush=True)
         rounds = []
@@ -329,6 +350,7 @@ def service_rounds(work: Path, base: Path, tunes: list[Path]) -> dict:
                     if res[side]["status"] != "succeeded":
                         raise SystemExit(f"service round {i} {side}: {res[side]}")
                     res[side]["engine"] = str(stack.pull(res[side]["digest"], work / f"svc-pulled-{side}-{i}"))
+                    expect_kernel(Path(res[side]["engine"]), base_kernel, f"service round {i} {side}")
             finally:
                 cold_stack.close()
             expect_compile(res["cold"], "ran", f"service round {i} cold")
@@ -349,6 +371,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="the base checkpoint (default: SmolLM2-135M from scripts/real_models.py)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per fine-tune")
+    ap.add_argument("--lr", type=float, default=LR, help="the fine-tune's Adam learning rate")
     ap.add_argument("--service", action="store_true", help="also through the service (API + Celery worker)")
     ap.add_argument("--service-rounds", type=int, help="rounds through the service (default: --rounds)")
     ap.add_argument("--no-cli", action="store_true", help="only the service's rounds")
@@ -361,7 +384,7 @@ def main() -> None:
     BASE_ROOT = base.parent
     vocab = int(json.loads((base / "config.json").read_text())["vocab_size"])
     print(f"cpu: {cpu_name()}; base {base}", flush=True)
-    result: dict = {"cpu": cpu_name(), "base": str(base), "steps": args.steps, "lr": STEPS_LR}
+    result: dict = {"cpu": cpu_name(), "base": str(base), "steps": args.steps, "lr": args.lr}
     failed = False
     with tempfile.TemporaryDirectory(prefix="kiln-ftbench-") as d:
         work = Path(d)
@@ -371,13 +394,13 @@ def main() -> None:
         TUNES_ROOT = where
         for i in range(1, n + 1):
             t0 = time.perf_counter()
-            made = where / f"{base.name}-ft{i}-{args.steps}steps"
+            made = where / f"{base.name}-ft{i}-{args.steps}steps-lr{args.lr:g}"
             saved = where / f"{made.name}.json"
             if saved.is_file():
                 info = json.loads(saved.read_text())
             else:
                 shutil.rmtree(made, ignore_errors=True)  # a half-made one
-                info = finetune(base, made, i, args.steps)
+                info = finetune(base, made, i, args.steps, args.lr)
                 saved.write_text(json.dumps(info))
             tunes.append(Path(info["dir"]))
             result.setdefault("finetunes", []).append(info)
