@@ -169,3 +169,26 @@ def test_migrations_up_and_down_on_postgres(tmp_path):
         assert set(sa.inspect(engine).get_table_names()) <= {"alembic_version"}
         assert s.kiln("db", "upgrade").returncode == 0
         engine.dispose()
+
+
+def test_a_finetune_built_through_the_service_reuses_its_base_kernel(stack):
+    """Issue 44 through the service: the API and a Celery worker build the tiny model, then a fine-tune of it
+    (other weights, same architecture); the second build's compile is ``reused`` (the base's kernel, loaded with
+    its own weights) and its engine shares the base's kernel layer."""
+    from tests.unit.builder.test_refit import perturbed_copy
+
+    small = {"profile": {"max_batch_size": 1, "max_input_len": 64, "max_seq_len": 64, "max_num_tokens": 64},
+             "evaluation": {"seq_len": 64, "max_tokens": 1024}, "backend": "aot-inductor"}
+    tuned_dir = perturbed_copy(stack.home.parent / "tiny-finetune")  # under the stack's checkpoint roots
+    done = []
+    for checkpoint in (tiny_spec()["checkpoint"], str(tuned_dir)):
+        r = stack.post("/v1/builds", tiny_spec(checkpoint=checkpoint, **small))
+        assert r.status_code == 202, r.text
+        done.append(stack.wait_build(r.json()["id"], timeout=900))
+    base, tuned = done
+    assert base["status"] == tuned["status"] == "succeeded", (base, tuned)
+    status = [{s["name"]: s["status"] for s in b["stages"]} for b in done]
+    assert status[0]["compile"] == "ran" and status[1]["compile"] == "reused" and status[1]["quantize"] == "ran"
+    arts = [stack.get(f"/v1/artifacts/{b['digest']}").json() for b in done]
+    assert arts[0]["provenance"]["kernel_key"] == arts[1]["provenance"]["kernel_key"]
+    assert base["digest"] != tuned["digest"]
