@@ -292,7 +292,7 @@ class Builder:
 
         t = time.perf_counter()
         report = check(first, cdir, before_timing)
-        built, built_dir, tried = first, cdir, None
+        built, built_dir, tried, rung_compile = first, cdir, None, None
         rest = spec.rungs[1:]
         if rest and not ladder_stage.accuracy_passed(report):
             tried = [ladder_stage.Rung.validated(first.recipe_name, p.quantize_key, report, time.perf_counter() - t)]
@@ -316,13 +316,18 @@ class Builder:
                 self._check_cancel()
                 key = compile_key(best.quantize_key, built, p.toolchain)
                 quantized = cast(Path, best.quantized)  # a rung the climb quantized (only the first has none)
-                built_dir, _ = self.stage_cache.get("compile", key, lambda out: backend.compile(
+                built_dir, produced = self.stage_cache.get("compile", key, lambda out: backend.compile(
                     built, quantized, out, checkpoint_dir=p.checkpoint_dir, kernels=self.kernels(built, p.toolchain)))
+                # the compile stage's status is the first rung's: say how the published rung's engine was made
+                rung_compile = {"recipe": best.recipe, "compile_key": key, "kernel_key": kernel_of(built_dir),
+                                "status": "cached" if produced is None else
+                                ("reused" if (produced.get("kernel") or {}).get("reused") else "ran")}
                 report = check(built, built_dir)
         # frees its hidden states before publish (check() closes over the name)
         reference = None  # type: ignore[assignment]
         report["recipe"] = {"requested": spec.recipe_name, "built": built.recipe_name,
-                            **({"ladder": [r.record() for r in tried]} if tried else {})}
+                            **({"ladder": [r.record() for r in tried]} if tried else {}),
+                            **({"compiled_in_validate": rung_compile} if rung_compile else {})}
         report["conditions"]["accuracy"]["reference_cache"] = reference_record
         return report, built, built_dir
 

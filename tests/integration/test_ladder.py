@@ -27,5 +27,8 @@ def test_the_ladder_climbs_to_the_next_recipe_when_the_first_fails_a_gate(tmp_pa
     assert ladder[0]["speed"].startswith("not measured: the engine failed its accuracy gates")  # no time on speed
     assert ladder[1]["passed"] and ladder[1]["judged_on"] == "screen" and ladder[1]["seconds"]["screen"] > 0
     assert out["validation"]["recipe"]["built"] == "fp8-pcpt" and out["status"] == "succeeded"
+    # the compile stage's status is the first rung's; the published rung's engine was compiled inside validate
+    assert out["validation"]["recipe"]["compiled_in_validate"]["recipe"] == "fp8-pcpt"
+    assert out["validation"]["recipe"]["compiled_in_validate"]["status"] == "ran"
     assert out["validation"]["metrics"]["mean_kl"] <= 0.0077
     assert out["artifact"]["status"] == "fresh"
