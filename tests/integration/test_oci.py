@@ -269,8 +269,11 @@ def test_kiln_pull_from_a_server(reg, tmp_path):
     assert r.returncode == 0, r.stderr
     assert tree(dest) == reg.signed_tree and "warning" not in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pulled"]
-    again = reg.kiln("pull", f"{REPO}@{reg.digest}", str(dest), "--server", reg.url)
-    assert again.returncode == 2 and "dest" in again.stderr
+    again = reg.kiln("pull", f"{REPO}@{reg.digest}", str(dest), "--server", reg.url)  # a rerun: the same engine
+    assert again.returncode == 0 and "nothing rewritten" in again.stdout and tree(dest) == reg.signed_tree
+    (dest / "extra.txt").write_text("not the engine's")
+    other = reg.kiln("pull", f"{REPO}@{reg.digest}", str(dest), "--server", reg.url)
+    assert other.returncode == 2 and "dest" in other.stderr
     rejected = reg.kiln("pull", f"{REPO}@{reg.rejected}", str(tmp_path / "rej"), "--server", reg.url)
     assert rejected.returncode == 2 and "rejected" in rejected.stderr and not (tmp_path / "rej").exists()
 
