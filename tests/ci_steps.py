@@ -24,7 +24,7 @@ def run_github_build_step(served, root: Path, *, env: dict[str, str], model: str
     env = {**env, "GITHUB_OUTPUT": str(out), "GITHUB_STEP_SUMMARY": str(summary), "KILN_URL": served.url,
            "KILN_TOKEN": "", "CHECKPOINT": str(REPO / "examples" / "tiny-llama"), "MODEL_NAME": model,
            "PRECISION": "fp8", "TARGET": "cpu", "PROFILE": "latency", "BACKEND": "checkpoint", "KV_CACHE": "none",
-           "ENTRY": ENTRY}
+           "ENTRY": ENTRY, "BUILD_FILE": "", "MATRIX": "", "WAIT_MINUTES": "120"}
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=work, env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr + served.log("serve")[-3000:]

@@ -40,10 +40,17 @@ def build_options() -> set[str]:
     return {opt for p in cmd.params if isinstance(p, click.Option) for opt in p.opts + p.secondary_opts}
 
 
-def kiln_flags(script: str) -> set[str]:
-    """Every --flag the script passes to `kiln build` (the args array / `set --` lines)."""
+def report_options() -> set[str]:
+    cmd = kiln_main.commands["report"]
+    return {opt for p in cmd.params if isinstance(p, click.Option) for opt in p.opts + p.secondary_opts}
+
+
+def kiln_flags(script: str, *, command: str = "build") -> set[str]:
+    """Every --flag the script passes to `kiln build` (the args array / `set --` lines), or to `kiln report`."""
+    lines = script.replace("\\\n", " ").splitlines()
+    picked = [ln for ln in lines if ("kiln report" in ln) == (command == "report")]
     flags = set()
-    for token in shlex.split(script.replace("\\\n", " "), comments=True, posix=True):
+    for token in shlex.split("\n".join(picked), comments=True, posix=True):
         if token.startswith("--") and token != "--" and "=" not in token:  # `set --` is the shell's
             flags.add(token.rstrip(")"))
     return flags
@@ -72,7 +79,9 @@ def test_github_workflow_is_reusable_with_the_inputs_a_ci_job_needs():
     assert {"kiln-url", "checkpoint", "matrix"} <= set(call["inputs"])
     assert "kiln-token" in call["secrets"] and "digests" in call["outputs"]
     build = wf["jobs"]["build"]
-    assert build["strategy"]["matrix"]["include"] == "${{ fromJSON(inputs.matrix) }}"
+    include = build["strategy"]["matrix"]["include"]
+    assert include.startswith("${{ fromJSON(inputs.build-file != '' && '[{\"name\": \"build-file\"}]' || inputs.matrix")
+    assert "{\"precision\": \"fp8\", \"target\": \"h100\", \"profile\": \"throughput\"}" in include
     assert build["strategy"]["fail-fast"] is False
     step = github_build_step()
     assert step["env"]["KILN_TOKEN"] == "${{ secrets.kiln-token }}"  # the token only ever comes from a secret
@@ -88,12 +97,15 @@ def test_github_and_gitlab_command_lines_use_real_kiln_build_options():
         used = kiln_flags(script)
         assert {"--server", "--wait", "--junit", "--report-html", "--json"} <= used
         assert used <= real, used - real
+        assert {"--timeout"} <= used  # the bounded wait
+        reported = kiln_flags(script, command="report")  # -f writes no report: each engine's is fetched
+        assert {"--server", "--format"} <= reported <= report_options(), reported
 
 
 def test_gitlab_template_reports_junit_always_and_passes_the_digest_on():
     job = load(GITLAB)[".kiln-build"]
     assert job["artifacts"]["when"] == "always"
-    assert job["artifacts"]["reports"]["junit"] == "kiln-reports/junit.xml"
+    assert job["artifacts"]["reports"]["junit"] == "kiln-reports/junit*.xml"  # junit.xml, or junit-ENTRY.xml (-f)
     assert job["artifacts"]["reports"]["dotenv"] == "kiln-reports/kiln.env"
     assert load(GITLAB)["kiln-build"]["extends"] == ".kiln-build"
 
@@ -113,7 +125,7 @@ def test_github_build_step_records_the_exit_code_and_fails_with_it(tmp_path):
            "GITHUB_OUTPUT": str(out), "GITHUB_STEP_SUMMARY": str(summary), "KILN_URL": "http://127.0.0.1:9",
            "KILN_TOKEN": "", "CHECKPOINT": "hf://acme/tiny@" + "a" * 40, "MODEL_NAME": "acme/tiny",
            "PRECISION": "fp8", "TARGET": "h100", "PROFILE": "throughput", "BACKEND": "", "KV_CACHE": "none",
-           "ENTRY": "fp8-h100-throughput", "KILN_HOME": str(tmp_path / "home")}
+           "ENTRY": "fp8-h100-throughput", "BUILD_FILE": "", "MATRIX": "", "WAIT_MINUTES": "120", "KILN_HOME": str(tmp_path / "home")}
     proc = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=work, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 3, proc.stdout + proc.stderr
@@ -146,7 +158,7 @@ def test_gitlab_script_records_the_digest_file_and_fails_with_kilns_exit_code(tm
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert (work / "kiln-reports" / "kiln.env").read_text() == "KILN_DIGEST_FP8_H100_THROUGHPUT=\n"
     assert "<error" in (work / "kiln-reports" / "junit.xml").read_text()
-    assert "exit 3 digest none" in proc.stdout
+    assert "exit 3: error (exit 3)" in proc.stdout
 
 
 def test_templates_install_the_client_with_a_pip_cache_on_images_that_can():
@@ -180,7 +192,7 @@ def run_github_step(tmp_path, **env_overrides) -> tuple[subprocess.CompletedProc
            "GITHUB_OUTPUT": str(out), "GITHUB_STEP_SUMMARY": str(summary), "KILN_URL": "http://127.0.0.1:9",
            "KILN_TOKEN": "", "CHECKPOINT": "hf://acme/tiny", "REVISION": "c" * 40, "MODEL_NAME": "",
            "PRECISION": "nvfp4", "TARGET": "b200", "PROFILE": "latency", "BACKEND": "checkpoint", "KV_CACHE": "none",
-           "ENTRY": "nvfp4-b200", **env_overrides}
+           "ENTRY": "nvfp4-b200", "BUILD_FILE": "", "MATRIX": "", "WAIT_MINUTES": "120", **env_overrides}
     proc = subprocess.run(["bash", "-e", "-c", github_build_step()["run"]], cwd=work, env=env, capture_output=True,
                           text=True, timeout=60)
     return proc, work, summary
