@@ -314,6 +314,7 @@ def test_github_step_says_a_timed_out_wait_is_still_building(tmp_path):
     ({"WAIT_MINUTES": "0"}, "::error::wait-minutes 0 is not a whole number of minutes from 1 to 340"),
     ({"WAIT_MINUTES": "341"}, "::error::wait-minutes 341 is not"),
     ({"WAIT_MINUTES": "1.5"}, "::error::wait-minutes 1.5 is not"),
+    ({"CHECKPOINT": ""}, "::error::checkpoint is empty; give the checkpoint input"),
 ])
 def test_github_step_refuses_a_bad_combination_before_calling_kiln(tmp_path, overrides, message):
     recording_kiln(tmp_path, stdout="{}", rc=0)
@@ -352,6 +353,7 @@ def test_gitlab_script_builds_a_build_file_with_a_bounded_wait(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     ({"KILN_BUILD_FILE": "kiln.yaml", "CI_NODE_TOTAL": "2"}, "kiln: KILN_BUILD_FILE builds every entry"),
     ({"KILN_BUILD_FILE": "kiln.yaml", "KILN_REVISION": "v1"}, "kiln: KILN_REVISION is not used with KILN_BUILD_FILE"),
+    ({"KILN_CHECKPOINT": ""}, "kiln: KILN_CHECKPOINT is empty"),
     ({"KILN_WAIT_MINUTES": "600"}, "kiln: KILN_WAIT_MINUTES 600 is not a whole number of minutes from 1 to 340"),
 ])
 def test_gitlab_script_refuses_a_bad_combination_before_calling_kiln(tmp_path, overrides, message):
