@@ -61,3 +61,28 @@ def test_github_build_step_against_a_real_server_then_resolve_and_pull(served, t
     manifest = json.loads((dest / "serving" / "serving.json").read_text())
     assert manifest["runtimes"]["tensorrt-llm"]["argv"][0] == "trtllm-serve"
     assert yaml.safe_load((dest / "serving" / "vllm.yaml").read_text())["max-num-seqs"] == 1
+
+
+def test_github_build_file_step_against_a_real_server(served, tmp_path):
+    """The step's build-file path: a kiln.yaml of the calling repository built with `kiln build -f --server --wait
+    --json --timeout`, each engine's digest under its entry's name and its JUnit and HTML reports fetched."""
+    shim = tmp_path / "bin" / "kiln"
+    shim.parent.mkdir()
+    shim.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m api.cli "
+                    "\"$@\"\n")
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    doc = tmp_path / "kiln.yaml"
+    doc.write_text(yaml.safe_dump({"defaults": {
+        "checkpoint": str(REPO / "examples" / "tiny-llama"), "model_name": "acme/ci-file", "target": "cpu",
+        "profile": "latency", "calibration": {"samples": 8, "seq_len": 64}, "evaluation": {"max_tokens": 1024},
+        "override_reason": "a test build: a short evaluation"},
+        "matrix": [{"precision": "fp8", "backend": "checkpoint"}]}))
+    digest, work, summary = run_github_build_step(served, tmp_path, model="acme/ci-file", build_file=doc, env={
+        **served.env, "PATH": f"{shim.parent}:{Path(sys.executable).parent}:/usr/bin:/bin"})
+    assert f"- fp8-cpu-latency-checkpoint: `{digest}`" in summary and "build file:" in summary
+    reports = work / "kiln-reports"
+    assert json.loads((reports / "digest.json").read_text()) == {"fp8-cpu-latency-checkpoint": digest}
+    root = ET.parse(reports / "junit-fp8-cpu-latency-checkpoint.xml").getroot()
+    assert {p.get("name"): p.get("value") for p in root.iter("property")}["digest"] == digest
+    assert digest in (reports / "report-fp8-cpu-latency-checkpoint.html").read_text()
+    assert json.loads((reports / "build.json").read_text().strip().splitlines()[-1])["exit"] == 0
