@@ -53,7 +53,7 @@ from artifacts.signing import BUNDLE_TYPE, IN_TOTO_PAYLOAD_TYPE, SIGNATURE_FILE
 from artifacts.tarball import unpack_tar
 from artifacts.verify import verify_engine
 from kiln import errors as e
-from kiln.digests import parse_digest
+from kiln.digests import parse_digest, sha256_file
 from kiln.errors import UnsafeLayer
 
 MEDIA_TYPE_IMAGE_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -401,19 +401,12 @@ def same_files(a: Path, b: Path) -> bool:
                     return None
         return files, dirs
 
-    def sha256(path: Path) -> str:
-        hasher = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                hasher.update(chunk)
-        return hasher.hexdigest()
-
     left, right = listing(a), listing(b)
     if left is None or right is None or left[1] != right[1] or left[0].keys() != right[0].keys():
         return False
     if any(size != right[0][rel][0] for rel, (size, _) in left[0].items()):
         return False
-    return all(sha256(path) == sha256(right[0][rel][1]) for rel, (_, path) in left[0].items())
+    return all(sha256_file(path)[0] == sha256_file(right[0][rel][1])[0] for rel, (_, path) in left[0].items())
 
 
 def _layer(client: httpx.Client, name: str, digest: str, size: int, cache: BlobCache | None,
